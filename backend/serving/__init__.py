@@ -1,0 +1,1 @@
+"""Running pagedllm inside a real tritonserver: launcher, backend installer, request codec, metrics."""
