@@ -1,0 +1,85 @@
+"""Engine configuration: one validated record, buildable from keyword arguments or JSON."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_ATTENTION_BACKENDS = ("auto", "triton", "torch")
+_SCHEDULING = ("continuous", "static")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything that shapes an engine; see the README's table for each key.
+
+    ``model=None`` serves the embedded default model. ``num_kv_blocks=None``
+    sizes the KV cache from ``kv_cache_memory_gb`` (or, on CUDA, from
+    ``gpu_memory_utilization`` of the device's free memory).
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    attention_backend: str = "auto"
+    scheduling: str = "continuous"
+
+    def __post_init__(self) -> None:
+        _require(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", self.dtype, f"one of auto, {', '.join(_DTYPES)}")
+        _require(self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device", self.device, "auto, cpu or cuda[:N]")
+        _require(1 <= self.block_size <= 256 and self.block_size & (self.block_size - 1) == 0,
+                 "block_size", self.block_size, "a power of two in [1, 256]")
+        _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", self.num_kv_blocks, ">= 1")
+        _require(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0,
+                 "kv_cache_memory_gb", self.kv_cache_memory_gb, "> 0")
+        _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
+        _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens, ">= 1")
+        _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", self.max_model_len, ">= 1")
+        _require(self.attention_backend in _ATTENTION_BACKENDS, "attention_backend", self.attention_backend,
+                 f"one of {', '.join(_ATTENTION_BACKENDS)}")
+        _require(self.scheduling in _SCHEDULING, "scheduling", self.scheduling, f"one of {', '.join(_SCHEDULING)}")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> EngineConfig:
+        """Build from JSON values; unknown keys raise ``ValueError`` naming them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; allowed: {sorted(known)}")
+        try:
+            return cls(**values)
+        except TypeError as error:
+            raise ValueError(f"invalid engine arguments: {error}") from error
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        """``auto`` is float32 on CPU and the checkpoint's dtype (else bfloat16) on GPU."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if self.torch_device().type == "cpu":
+            return torch.float32
+        return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def _require(ok: bool, name: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"engine argument {name}={value!r} is invalid: expected {rule}")

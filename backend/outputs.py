@@ -1,0 +1,68 @@
+"""What the engine hands back: per-step deltas, and their accumulation into finished results."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionDelta:
+    """What one of a request's ``n`` samples produced in one engine step."""
+
+    index: int
+    text: str  # new text since the previous delta (may be "" while bytes are incomplete)
+    token_ids: tuple[int, ...]  # new token ids
+    cumulative_logprob: float  # of every token sampled so far
+    logprobs: tuple[dict[int, float], ...] | None  # per new token: top-k and chosen id -> logprob
+    finish_reason: str | None  # "stop" | "length" | "abort" once this sample is done
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One engine step's news for one request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    outputs: tuple[CompletionDelta, ...]  # only the samples that changed this step
+    finished: bool  # every sample is done; no more outputs will follow
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample's whole output, accumulated from its deltas."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+
+    def add(self, delta: CompletionDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        self.cumulative_logprob = delta.cumulative_logprob
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+
+
+@dataclass(slots=True)
+class FinalOutput:
+    """A request's complete result, as ``LLM.generate`` returns it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+
+    @classmethod
+    def start(cls, first: RequestOutput, n: int) -> FinalOutput:
+        return cls(first.request_id, first.prompt, list(first.prompt_token_ids), [CompletionOutput(i) for i in range(n)])
+
+    def add(self, step: RequestOutput) -> None:
+        for delta in step.outputs:
+            self.outputs[delta.index].add(delta)
+        self.finished = step.finished
