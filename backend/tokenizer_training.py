@@ -88,27 +88,38 @@ def train_bpe_tokenizer(
 
 
 def python_stdlib_texts(
-    exclude: Collection[str] = (), limit_bytes: int | None = None
+    exclude: Collection[str] = (),
+    limit_bytes: int | None = None,
+    *,
+    include: Collection[str] | None = None,
 ) -> list[str]:
     """The running interpreter's standard library ``.py`` sources, sorted by path.
 
     ``exclude`` holds dotted module names (``"json"``, ``"email.mime"``); a file
     is left out when its module is one of them or lives inside one, which is how
-    whole modules are held out for evaluation. Test suites and site-packages are
-    never included. ``limit_bytes`` stops before the UTF-8 size of the returned
+    whole modules are held out for evaluation. ``include``, when given, keeps
+    only files inside the named modules (to read the held-out set back). Test
+    suites and site-packages are never included. ``limit_bytes`` stops before the UTF-8 size of the returned
     texts would exceed it. Files that are not valid UTF-8 are skipped.
     """
     if limit_bytes is not None and limit_bytes < 0:
         raise ValueError(f"limit_bytes must be non-negative, got {limit_bytes}")
+    # A bare string is a Collection[str] of characters, never what was meant.
+    if isinstance(exclude, str):
+        raise ValueError(f"exclude must be a collection of module names, not the string {exclude!r}")
+    if isinstance(include, str):
+        raise ValueError(f"include must be a collection of module names, not the string {include!r}")
     root = Path(sysconfig.get_paths()["stdlib"])
     excluded = tuple(exclude)
+    included = None if include is None else tuple(include)
     texts: list[str] = []
     total = 0
     for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
         relative = path.relative_to(root)
         if relative.parts[0].startswith(_SKIPPED_TOP_LEVEL) or _TEST_DIRS.intersection(relative.parts[:-1]):
             continue
-        if _is_excluded(_module_name(relative), excluded):
+        module = _module_name(relative)
+        if _is_within(module, excluded) or (included is not None and not _is_within(module, included)):
             continue
         try:
             text = path.read_text(encoding="utf-8")
@@ -129,5 +140,5 @@ def _module_name(relative: Path) -> str:
     return ".".join(parts)
 
 
-def _is_excluded(module: str, excluded: tuple[str, ...]) -> bool:
-    return any(module == name or module.startswith(name + ".") for name in excluded)
+def _is_within(module: str, names: tuple[str, ...]) -> bool:
+    return any(module == name or module.startswith(name + ".") for name in names)
