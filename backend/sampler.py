@@ -1,0 +1,205 @@
+"""Batched token sampling: penalties, suppression, greedy, temperature, top-k/top-p/min-p, seeds, logprobs.
+
+Semantics follow vLLM. Every step works on the whole batch at once; a filter
+runs only when some row needs it. Seeded rows draw their noise from their own
+generator, so a seeded sample does not depend on what else shares the batch.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one row of the logits."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # seeded per sample; None draws from the global RNG
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # generated so far, for the penalties
+    suppressed_token_ids: tuple[int, ...]  # must not be sampled now (EOS/stop ids under min_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float  # of the chosen token under log_softmax of the unprocessed logits
+    top_logprobs: dict[int, float] | None  # when params.logprobs is set: top ids and the chosen one
+
+
+def make_generator(seed: int | None, sample_index: int, device: torch.device) -> torch.Generator | None:
+    """A generator for sample ``sample_index`` of a request seeded with ``seed``; None when unseeded.
+
+    The seed is mixed with the sample index through a stable hash (not Python's
+    salted ``hash``), so every sample of an ``n > 1`` request gets its own stream
+    and each stream is the same in every process.
+    """
+    if seed is None:
+        return None
+    if sample_index < 0:
+        raise ValueError(f"sample_index={sample_index} is invalid: must be >= 0")
+    digest = hashlib.blake2b(f"{seed}:{sample_index}".encode(), digest_size=8).digest()
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+    return generator
+
+
+class Sampler:
+    """Picks one token per row of a ``[rows, vocab]`` float32 logits tensor."""
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must have shape [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
+        if not rows:
+            return []
+        raw = logits.float()
+        work = raw.clone()
+        apply_penalties(work, rows)
+        apply_suppression(work, rows)
+
+        chosen = torch.empty(len(rows), dtype=torch.long, device=work.device)
+        greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+        random = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if greedy:
+            index = _index(greedy, work.device)
+            chosen[index] = work[index].argmax(dim=-1)
+        if random:
+            index = _index(random, work.device)
+            chosen[index] = _sample(work[index], [rows[i] for i in random])
+        return _results(raw, chosen, rows)
+
+
+def _index(positions: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(positions, dtype=torch.long, device=device)
+
+
+def _padded(sequences: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max((len(s) for s in sequences), default=0)
+    table = [list(s) + [pad] * (width - len(s)) for s in sequences]
+    return torch.tensor(table, dtype=torch.long, device=device).view(len(sequences), width)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Repetition (prompt + output), then frequency and presence (output only), in place."""
+    penalized = [
+        i for i, row in enumerate(rows)
+        if row.params.repetition_penalty != 1.0 or row.params.presence_penalty != 0.0
+        or row.params.frequency_penalty != 0.0
+    ]
+    if not penalized:
+        return
+    device = logits.device
+    vocab = logits.shape[1]
+    index = _index(penalized, device)
+    sub = logits[index]
+    chosen_rows = [rows[i] for i in penalized]
+    # Padding points at an extra column that is dropped, so pads never count.
+    outputs = _padded([r.output_token_ids for r in chosen_rows], vocab, device)
+    counts = torch.zeros(len(chosen_rows), vocab + 1, dtype=sub.dtype, device=device)
+    counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=sub.dtype))
+    counts = counts[:, :vocab]
+    in_output = counts > 0
+
+    repetition = torch.tensor([r.params.repetition_penalty for r in chosen_rows], dtype=sub.dtype, device=device)
+    if bool((repetition != 1.0).any()):
+        prompts = _padded([r.prompt_token_ids for r in chosen_rows], vocab, device)
+        seen = torch.zeros(len(chosen_rows), vocab + 1, dtype=torch.bool, device=device)
+        seen.scatter_(1, prompts, True)
+        seen = seen[:, :vocab] | in_output
+        factor = repetition.unsqueeze(1)
+        penalized_values = torch.where(sub > 0, sub / factor, sub * factor)
+        sub = torch.where(seen, penalized_values, sub)
+
+    frequency = torch.tensor([r.params.frequency_penalty for r in chosen_rows], dtype=sub.dtype, device=device)
+    presence = torch.tensor([r.params.presence_penalty for r in chosen_rows], dtype=sub.dtype, device=device)
+    sub = sub - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * in_output.to(sub.dtype)
+    logits[index] = sub
+
+
+def apply_suppression(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    row_ids = [i for i, row in enumerate(rows) for _ in row.suppressed_token_ids]
+    if not row_ids:
+        return
+    token_ids = [t for row in rows for t in row.suppressed_token_ids]
+    vocab = logits.shape[1]
+    bad = [t for t in token_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"suppressed_token_ids {bad} are outside the vocabulary [0, {vocab})")
+    logits[_index(row_ids, logits.device), _index(token_ids, logits.device)] = float("-inf")
+
+
+def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then one draw per row; ``logits`` is a private copy."""
+    device = logits.device
+    vocab = logits.shape[1]
+    temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=device)
+    logits.div_(temperature.unsqueeze(1))
+
+    use_top_k = any(r.params.top_k != -1 for r in rows)
+    use_top_p = any(r.params.top_p < 1.0 for r in rows)
+    if use_top_k or use_top_p:
+        ascending, order = logits.sort(dim=-1)
+        if use_top_k:
+            k = torch.tensor([vocab if r.params.top_k == -1 else min(r.params.top_k, vocab) for r in rows],
+                             dtype=torch.long, device=device)
+            # Ties with the k-th largest value are kept, as in vLLM.
+            kth_largest = ascending.gather(1, (vocab - k).unsqueeze(1))
+            ascending.masked_fill_(ascending < kth_largest, float("-inf"))
+        if use_top_p:
+            top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype, device=device)
+            cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+            outside = cumulative <= (1.0 - top_p).unsqueeze(1)
+            outside[:, -1] = False  # the most likely token always survives
+            ascending.masked_fill_(outside, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, ascending)
+
+    if any(r.params.min_p > 0.0 for r in rows):
+        min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype, device=device)
+        probs = logits.softmax(dim=-1)
+        threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+
+    probs = logits.softmax(dim=-1)
+    # Gumbel-max in exponential form: argmax(p / E) with E ~ Exp(1) is a draw from p.
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+    if unseeded:
+        if len(unseeded) == len(rows):
+            noise.exponential_()
+        else:
+            shared = torch.empty(len(unseeded), vocab, dtype=probs.dtype, device=device).exponential_()
+            noise[_index(unseeded, device)] = shared
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            noise[i].exponential_(generator=row.generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _results(raw: torch.Tensor, chosen: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+    chosen_logprob = raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - raw.logsumexp(dim=-1)
+    wanting = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    tops: dict[int, dict[int, float]] = {}
+    if wanting:
+        index = _index(wanting, raw.device)
+        logprobs = raw[index].log_softmax(dim=-1)
+        width = min(max(rows[i].params.logprobs or 0 for i in wanting), raw.shape[1])
+        values, ids = logprobs.topk(width, dim=-1)
+        values_list, ids_list = values.tolist(), ids.tolist()
+        for j, i in enumerate(wanting):
+            k = rows[i].params.logprobs or 0
+            tops[i] = dict(zip(ids_list[j][:k], values_list[j][:k]))
+    token_ids = chosen.tolist()
+    token_logprobs = chosen_logprob.tolist()
+    results = []
+    for i, (token_id, logprob) in enumerate(zip(token_ids, token_logprobs)):
+        top = tops.get(i)
+        if top is not None:
+            top[token_id] = logprob
+        results.append(SampledToken(token_id, logprob, top))
+    return results
