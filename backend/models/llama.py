@@ -1,0 +1,179 @@
+"""Native forward of the Llama family (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Tokens of every scheduled sequence arrive as one flat batch; attention reads
+and writes the cache only through the ``AttentionBackend`` and the step's
+``AttentionMetadata``. Projections are fused (q|k|v and gate|up) to cut kernel
+launches; the loader concatenates the checkpoint's separate weights.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+from pagedllm.attention_backend import AttentionBackend
+from pagedllm.attention_metadata import AttentionMetadata
+from pagedllm.models.architectures import ArchitectureTraits
+from pagedllm.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
+
+
+def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
+    layer = nn.Linear(in_features, out_features, bias=bias)
+    layer.requires_grad_(False)
+    return layer
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, traits: ArchitectureTraits, attention: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.attention = attention
+        self.qkv_proj = _linear(config.hidden_size, self.q_size + 2 * self.kv_size, traits.qkv_bias)
+        self.o_proj = _linear(self.q_size, config.hidden_size, traits.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if traits.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if traits.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        cos, sin = rope
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        k_cache, v_cache = kv_cache
+        self.attention.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        out = self.attention.unified_attention(
+            q, k_cache, v_cache, attn.query_start_loc, attn.seq_lens, attn.block_table, self.scale
+        )
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig, traits: ArchitectureTraits) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, traits.mlp_bias)
+        self.down_proj = _linear(config.intermediate_size, config.hidden_size, traits.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, traits: ArchitectureTraits, attention: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, traits, attention)
+        self.mlp = MLP(config, traits)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """One class for the whole Llama family; ``traits`` carry the differences.
+
+    Parameter names follow the checkpoint's (``model.layers.0.self_attn...``)
+    except for the fused ``qkv_proj`` and ``gate_up_proj``; see
+    ``checkpoint_sources``. Build it on the meta device and let the loader
+    assign real tensors.
+    """
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        traits: ArchitectureTraits,
+        attention: AttentionBackend,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.traits = traits
+        self.num_layers: int = config.num_hidden_layers
+        self.num_heads: int = config.num_attention_heads
+        self.num_kv_heads: int = config.num_key_value_heads
+        self.head_dim: int = head_dim_of(config)
+        self.vocab_size: int = config.vocab_size
+        self.hidden_size: int = config.hidden_size
+        self.sliding_window: int | None = traits.sliding_window
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.embed_tokens.requires_grad_(False)
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(config, traits, attention) for _ in range(config.num_hidden_layers)
+        )
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if self.tie_word_embeddings else _linear(config.hidden_size, config.vocab_size, False)
+        self.rotary = RotaryEmbedding(config, device)
+
+    def checkpoint_sources(self) -> dict[str, list[str]]:
+        """Each parameter's checkpoint tensor names, concatenated along dim 0 in order."""
+        sources: dict[str, list[str]] = {}
+        for name, _ in self.named_parameters():
+            prefix, _, leaf = name.rpartition(".")
+            if prefix.endswith("qkv_proj"):
+                base = prefix.removesuffix("qkv_proj")
+                sources[name] = [f"{base}{part}_proj.{leaf}" for part in "qkv"]
+            elif prefix.endswith("gate_up_proj"):
+                base = prefix.removesuffix("gate_up_proj")
+                sources[name] = [f"{base}{part}_proj.{leaf}" for part in ("gate", "up")]
+            else:
+                sources[name] = [name]
+        return sources
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] of a flat batch; writes its K/V into ``kv_caches``."""
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"kv_caches has {len(kv_caches)} layers; the model has {self.num_layers}")
+        if self.sliding_window is not None and attn.max_seq_len > self.sliding_window:
+            raise ValueError(
+                f"context of {attn.max_seq_len} tokens exceeds the model's sliding_window={self.sliding_window}; "
+                "sliding-window attention is not implemented, so cap max_model_len at the window"
+            )
+        x = self.model.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, rope, kv_cache, attn)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

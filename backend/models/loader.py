@@ -1,0 +1,96 @@
+"""Load a Hugging Face checkpoint directory into the native ``CausalLM``.
+
+Reads the config with ``AutoConfig`` and the weights with ``safetensors``
+(one ``model.safetensors`` or shards listed in ``model.safetensors.index.json``),
+straight into the target dtype and device: the model is built on the meta
+device, so no throwaway random initialisation is ever allocated.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from pagedllm.attention_backend import AttentionBackend
+from pagedllm.models.architectures import resolve_architecture
+from pagedllm.models.llama import CausalLM
+
+SINGLE_FILE = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention: AttentionBackend,
+) -> CausalLM:
+    """Build the model for ``model_dir`` and fill it with the checkpoint's weights.
+
+    Raises ``ValueError`` for an unsupported architecture, a directory without
+    safetensors weights, or a checkpoint whose tensors do not match the model
+    (names of missing and unexpected tensors are listed).
+    """
+    model_dir = Path(model_dir)
+    device = torch.device(device)
+    config = AutoConfig.from_pretrained(model_dir)
+    traits = resolve_architecture(config)
+    with torch.device("meta"):
+        model = CausalLM(config, traits, attention, device)
+    files = checkpoint_files(model_dir)
+    sources = model.checkpoint_sources()
+    wanted = {name for names in sources.values() for name in names}
+    with ExitStack() as stack:
+        handles = {path: stack.enter_context(safe_open(str(path), framework="pt", device=str(device))) for path in files}
+        location = {name: path for path, handle in handles.items() for name in handle.keys()}
+        missing = sorted(wanted - location.keys())
+        unexpected = sorted(name for name in location.keys() - wanted if not _ignorable(name, model.tie_word_embeddings))
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint {model_dir} does not match {traits.name}: "
+                f"missing tensors {missing[:10]}{' ...' if len(missing) > 10 else ''}, "
+                f"unexpected tensors {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}"
+            )
+        state = {
+            param: _concat(handles[location[name]].get_tensor(name) for name in names).to(dtype)
+            for param, names in sources.items()
+        }
+    expected_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    wrong = [f"{name}: {tuple(t.shape)} != {expected_shapes[name]}" for name, t in state.items()
+             if tuple(t.shape) != expected_shapes[name]]
+    if wrong:
+        raise ValueError(f"checkpoint {model_dir} has tensors of the wrong shape: {wrong[:5]}")
+    model.load_state_dict(state, strict=True, assign=True)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shard index's files, else the single file."""
+    index = model_dir / SHARD_INDEX
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        absent = [str(path) for path in files if not path.is_file()]
+        if absent:
+            raise ValueError(f"{index} lists shard files that do not exist: {absent}")
+        return files
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    raise ValueError(f"no {SINGLE_FILE} or {SHARD_INDEX} in {model_dir}; only safetensors checkpoints are supported")
+
+
+def _concat(tensors: Iterator[torch.Tensor]) -> torch.Tensor:
+    parts = list(tensors)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def _ignorable(name: str, tied: bool) -> bool:
+    # Old checkpoints store rotary tables we recompute; tied ones may still carry a copy of the head.
+    return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
