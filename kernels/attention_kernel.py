@@ -1,0 +1,182 @@
+"""Triton-lang unified paged attention: one kernel for prefill chunks and decodes.
+
+Grid: (query blocks, KV heads, KV splits). A program owns ``BLOCK_Q`` query
+positions of one sequence times the ``GROUP`` query heads that share one KV
+head (GQA packing), so every K/V tile it loads serves all of them. Keys are
+read through the block table one key tile at a time, gathered per key, so the
+paged block size is independent of the tile size. Softmax is online, in base 2,
+accumulated in fp32. With ``NUM_SPLITS > 1`` each program covers a slice of
+the keys and writes unnormalised partials that :func:`reduce_splits_kernel`
+merges (flash-decoding).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _sequence_of_program(
+    query_start_loc_ptr,  # int [num_seqs + 1]
+    num_seqs,
+    q_block_global,
+    BLOCK_Q: tl.constexpr,
+):
+    # Sequence i's programs start at query_start_loc[i] // BLOCK_Q + i: an upper
+    # bound on the query blocks before it, so the grid is sized on the host
+    # without reading any lengths. Binary search for the last start <= ours.
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first <= q_block_global:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def unified_attention_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    out_ptr,  # [num_tokens, num_heads, head_dim]; written only when NUM_SPLITS == 1
+    part_acc_ptr,  # fp32 [num_tokens, num_heads, NUM_SPLITS, HEAD_PAD]; used when NUM_SPLITS > 1
+    part_max_ptr,  # fp32 [num_tokens, num_heads, NUM_SPLITS]; running max, base 2
+    part_sum_ptr,  # fp32 [num_tokens, num_heads, NUM_SPLITS]; softmax denominators
+    query_start_loc_ptr,  # int [num_seqs + 1]
+    seq_lens_ptr,  # int [num_seqs]
+    block_table_ptr,  # int [num_seqs, max_blocks_per_seq]
+    qk_scale,  # softmax scale * log2(e)
+    num_seqs,
+    num_heads,
+    tiles_per_split,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bt,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,  # compute in fp32: fp32 inputs, and the interpreter (wrong bf16 arithmetic)
+    DOT_PRECISION: tl.constexpr,
+):
+    q_block_global = tl.program_id(0)
+    kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+
+    seq = _sequence_of_program(query_start_loc_ptr, num_seqs, q_block_global, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    query_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start
+    q_block = q_block_global - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
+    context_len = seq_len - query_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_PAD)
+    query_pos = q_block * BLOCK_Q + offs_m // GROUP_PAD
+    head_in_group = offs_m % GROUP_PAD
+    head = kv_head * GROUP + head_in_group
+    row_valid = (query_pos < query_len) & (head_in_group < GROUP)
+    dim_valid = offs_d < HEAD_DIM
+    token = q_start + query_pos
+    q_offs = token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    query_abs = context_len + query_pos
+
+    # The last query of this block sees keys [0, kv_end); later keys are masked for all rows.
+    kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    if NUM_SPLITS == 1:
+        tile_lo = 0
+        tile_hi = num_tiles
+    else:
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * TILE_N + tl.arange(0, TILE_N)
+        key_valid = offs_n < kv_end
+        block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        in_block = (offs_n % BLOCK_SIZE).to(tl.int64)
+        k_offs = (block[None, :] * stride_kb + in_block[None, :] * stride_ks
+                  + kv_head * stride_kh + offs_d[:, None] * stride_kd)
+        k = tl.load(k_cache_ptr + k_offs, mask=dim_valid[:, None] & key_valid[None, :], other=0.0)
+        v_offs = (block[:, None] * stride_vb + in_block[:, None] * stride_vs
+                  + kv_head * stride_vh + offs_d[None, :] * stride_vd)
+        v = tl.load(v_cache_ptr + v_offs, mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        visible = key_valid[None, :] & (offs_n[None, :] <= query_abs[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing visible yet keeps max -inf; subtracting 0 instead avoids inf - inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        result = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
+        tl.store(out_ptr + o_offs, result.to(out_ptr.dtype.element_ty),
+                 mask=row_valid[:, None] & dim_valid[None, :])
+    else:
+        part = (token * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_max_ptr + part, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + part, l_i, mask=row_valid)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_valid[:, None])
+
+
+@triton.jit
+def reduce_splits_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    part_acc_ptr,  # fp32 [num_tokens, num_heads, NUM_SPLITS, HEAD_PAD]
+    part_max_ptr,  # fp32 [num_tokens, num_heads, NUM_SPLITS]
+    part_sum_ptr,  # fp32 [num_tokens, num_heads, NUM_SPLITS]
+    num_heads,
+    stride_ot, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    split_valid = offs_s < NUM_SPLITS
+    part = (token * num_heads + head) * NUM_SPLITS + offs_s
+    m = tl.load(part_max_ptr + part, mask=split_valid, other=float("-inf"))
+    l = tl.load(part_sum_ptr + part, mask=split_valid, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], mask=split_valid[:, None], other=0.0)
+    # Split 0 always holds key 0, which every query sees, so the overall max is finite
+    # and splits that saw no key (max -inf) get weight exp2(-inf) = 0.
+    m_all = tl.max(m, 0)
+    weight = tl.exp2(m - m_all)
+    total = tl.sum(weight * l, 0)
+    result = tl.sum(acc * weight[:, None], 0) / total
+    o_offs = token * stride_ot + head * stride_oh + offs_d * stride_od
+    tl.store(out_ptr + o_offs, result.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)

@@ -1,0 +1,103 @@
+"""Triton-lang scatter of a step's new keys and values into the paged cache."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.kernels.launch_support import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    require_dtype,
+    require_ndim,
+    require_runnable,
+    require_same_device,
+)
+
+# Elements of one token's [num_kv_heads, head_dim] row copied per program.
+MAX_CHUNK = 1024
+
+
+@triton.jit
+def write_kv_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping_ptr,  # int [num_tokens]; negative = padded token
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_kcb, stride_kcs, stride_kch, stride_kcd,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    HEAD_DIM: tl.constexpr,
+    ROW: tl.constexpr,  # num_kv_heads * head_dim
+    CHUNK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    in_block = slot % BLOCK_SIZE
+    offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < ROW
+    head = offs // HEAD_DIM
+    dim = offs % HEAD_DIM
+    key = tl.load(key_ptr + token * stride_kt + head * stride_kh + dim * stride_kd, mask=valid)
+    value = tl.load(value_ptr + token * stride_vt + head * stride_vh + dim * stride_vd, mask=valid)
+    k_dst = block * stride_kcb + in_block * stride_kcs + head * stride_kch + dim * stride_kcd
+    v_dst = block * stride_vcb + in_block * stride_vcs + head * stride_vch + dim * stride_vcd
+    tl.store(k_cache_ptr + k_dst, key.to(k_cache_ptr.dtype.element_ty), mask=valid)
+    tl.store(v_cache_ptr + v_dst, value.to(v_cache_ptr.dtype.element_ty), mask=valid)
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # int64 [num_tokens]; negative = padded token, skipped
+) -> None:
+    """Scatter this step's keys and values into their cache slots (``slot = block * block_size + offset``).
+
+    Same contract as :func:`pagedllm.kernels.reference.write_kv_ref`. ``key`` and
+    ``value`` may be strided views (e.g. slices of a fused QKV projection).
+    """
+    _validate(key, value, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    row = num_kv_heads * head_dim
+    chunk = min(MAX_CHUNK, 1 << (row - 1).bit_length())
+    write_kv_kernel[(num_tokens, -(-row // chunk))](
+        key, value, k_cache, v_cache, slot_mapping,
+        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
+        HEAD_DIM=head_dim, ROW=row, CHUNK=chunk, BLOCK_SIZE=k_cache.shape[1],
+    )
+
+
+def _validate(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    require_ndim("key", key, 3)
+    require_ndim("k_cache", k_cache, 4)
+    require_ndim("slot_mapping", slot_mapping, 1)
+    for name, tensor in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        require_dtype(name, tensor, FLOAT_DTYPES)
+    require_dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
+    if value.shape != key.shape:
+        raise ValueError(f"value shape {tuple(value.shape)} differs from key shape {tuple(key.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} differs from k_cache shape {tuple(k_cache.shape)}")
+    if tuple(key.shape[1:]) != tuple(k_cache.shape[2:]):
+        raise ValueError(f"key rows {tuple(key.shape[1:])} do not match k_cache's [num_kv_heads, head_dim] "
+                         f"{tuple(k_cache.shape[2:])}")
+    if slot_mapping.numel() != key.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.numel()} entries, expected num_tokens = {key.shape[0]}")
+    require_same_device(key.device, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    require_runnable(write_kv_kernel, key.device)
