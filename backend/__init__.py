@@ -1,4 +1,23 @@
 """pagedllm: a paged-KV, continuous-batching LLM engine and NVIDIA Triton Python-based backend."""
-from pagedllm.sampling_params import SamplingParams
+from __future__ import annotations
 
-__all__ = ["SamplingParams"]
+import importlib
+from typing import Any
+
+# Resolved on first use, so `import pagedllm.kernels` or the Triton stub's import
+# of `pagedllm.model` do not pay for loading the whole engine.
+_EXPORTS = {
+    "LLM": "pagedllm.llm",
+    "SamplingParams": "pagedllm.sampling_params",
+    "RequestOutput": "pagedllm.outputs",
+    "FinalOutput": "pagedllm.outputs",
+    "CompletionOutput": "pagedllm.outputs",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,0 +1,72 @@
+"""The ``pagedllm`` command: make-tiny-model, generate, serve, install-backend, bench."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+# bench name -> module under pagedllm.bench exposing add_arguments(parser) and run(args)
+BENCHES = ("kernels", "throughput", "memory", "overhead", "serving")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    tiny = commands.add_parser("make-tiny-model", help="write a random-weight checkpoint for tests and benchmarks")
+    tiny.add_argument("directory", type=Path)
+    tiny.add_argument("--arch", choices=("llama", "mistral", "qwen2", "qwen3"), default="llama")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    tiny.set_defaults(handler=_make_tiny_model)
+
+    generate = commands.add_parser("generate", help="complete one prompt offline and stream it to stdout")
+    generate.add_argument("prompt")
+    generate.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.set_defaults(handler=_generate)
+
+    serving = importlib.import_module("pagedllm.serving.cli")
+    serve = commands.add_parser("serve", help="run a real tritonserver with the pagedllm backend")
+    serving.add_serve_arguments(serve)
+    serve.set_defaults(handler=serving.serve_main)
+    install = commands.add_parser("install-backend", help="install the backend into a tritonserver backends dir")
+    serving.add_install_backend_arguments(install)
+    install.set_defaults(handler=serving.install_backend_main)
+
+    bench = commands.add_parser("bench", help="benchmarks: tables, JSON and plots")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    for name in BENCHES:
+        module = importlib.import_module(f"pagedllm.bench.{name}")
+        sub = benches.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        module.add_arguments(sub)
+        sub.set_defaults(handler=module.run)
+
+    args = parser.parse_args(argv)
+    result = args.handler(args)
+    return int(result or 0)
+
+
+def _make_tiny_model(args: argparse.Namespace) -> None:
+    from pagedllm.tiny_model import make_tiny_model
+
+    path = make_tiny_model(args.directory, arch=args.arch, seed=args.seed, size=args.size)
+    print(f"wrote {args.arch} ({args.size}) checkpoint to {path}")
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(model=args.model)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    sys.stdout.write(args.prompt)
+    for out in llm.stream(args.prompt, params):
+        sys.stdout.write(out.outputs[0].text if out.outputs else "")
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

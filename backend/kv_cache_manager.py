@@ -1,0 +1,180 @@
+"""Paged KV-cache bookkeeping: block pool, block tables, copy-on-write, prefix caching.
+
+Only block ids live here; the K/V tensors belong to the model runner. A block
+is *referenced* while some sequence's block table holds it and *free*
+otherwise. Free blocks keep their content hash and wait in an LRU queue, so a
+later request with the same prefix can revive them; a free block is only
+forgotten when it is handed out again.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from pagedllm.request import Sequence
+
+
+@dataclass(eq=False, slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None  # set once the block is full and its tokens computed
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """Cached blocks that already hold the KV of a sequence's leading tokens."""
+
+    blocks: tuple[Block, ...]
+    hashes: tuple[int, ...]
+
+
+NO_MATCH = PrefixMatch((), ())
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks} is invalid: the KV cache needs at least one block")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # OrderedDict: O(1) pop of the least recently freed block and O(1) removal of a revived one.
+        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[int, Block] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+        self.peak_blocks_used = 0
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.blocks) - len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, seq: Sequence) -> PrefixMatch:
+        """Longest run of cached full blocks equal to ``seq``'s leading tokens.
+
+        The last token is never matched: its logits must be computed to sample.
+        """
+        if not self.enable_prefix_caching:
+            return NO_MATCH
+        self.prefix_queried_tokens += seq.num_tokens
+        blocks: list[Block] = []
+        hashes: list[int] = []
+        parent: int | None = None
+        for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
+            parent = _chain_hash(parent, seq.token_ids[start : start + self.block_size])
+            block = self._cached.get(parent)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(parent)
+        self.prefix_hit_tokens += len(blocks) * self.block_size
+        return PrefixMatch(tuple(blocks), tuple(hashes))
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, match: PrefixMatch = NO_MATCH) -> bool:
+        """Give ``seq`` the blocks to hold ``num_new_tokens`` more computed tokens.
+
+        Adopts ``match`` (a fresh sequence's cached prefix) first. All or nothing:
+        returns False, changing nothing, when the free pool is too small.
+        """
+        num_computed = seq.num_computed_tokens + len(match.blocks) * self.block_size
+        num_held = len(seq.block_ids) + len(match.blocks)
+        num_fresh = max(0, self.blocks_needed(num_computed + num_new_tokens) - num_held)
+        write_index = num_computed // self.block_size
+        needs_copy = write_index < len(seq.block_ids) and self.blocks[seq.block_ids[write_index]].ref_count > 1
+        num_revived = sum(1 for b in match.blocks if b.ref_count == 0)
+        if num_fresh + int(needs_copy) + num_revived > len(self._free):
+            return False
+        for block in match.blocks:
+            self._reference(block)
+        seq.block_ids.extend(b.block_id for b in match.blocks)
+        seq.block_hashes.extend(match.hashes)
+        seq.num_computed_tokens = num_computed
+        if needs_copy:
+            self._copy_on_write(seq, write_index)
+        for _ in range(num_fresh):
+            seq.block_ids.append(self._take_free().block_id)
+        self.peak_blocks_used = max(self.peak_blocks_used, self.num_used_blocks)
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let ``child`` share every block of ``parent``; writes will copy on demand."""
+        child.block_ids = list(parent.block_ids)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        for block_id in parent.block_ids:
+            self.blocks[block_id].ref_count += 1
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references; tail blocks first so they are evicted first."""
+        for block_id in reversed(seq.block_ids):
+            block = self.blocks[block_id]
+            if block.ref_count < 1:
+                raise RuntimeError(f"double free of KV block {block_id}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = block
+        seq.block_ids = []
+        seq.block_hashes = []
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Publish the content hash of every block of ``seq`` that is now full and computed."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        for index in range(len(seq.block_hashes), num_full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            start = index * self.block_size
+            block_hash = _chain_hash(parent, seq.token_ids[start : start + self.block_size])
+            seq.block_hashes.append(block_hash)
+            block = self.blocks[seq.block_ids[index]]
+            if block.block_hash is None and block_hash not in self._cached:
+                block.block_hash = block_hash
+                self._cached[block_hash] = block
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) block copies the runner must do before this step's writes."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def reset_prefix_cache(self) -> None:
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()
+
+    def _reference(self, block: Block) -> None:
+        if block.ref_count == 0:
+            del self._free[block.block_id]
+        block.ref_count += 1
+
+    def _take_free(self) -> Block:
+        _, block = self._free.popitem(last=False)
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block
+
+    def _copy_on_write(self, seq: Sequence, index: int) -> None:
+        shared = self.blocks[seq.block_ids[index]]
+        shared.ref_count -= 1
+        private = self._take_free()
+        self._pending_copies.append((shared.block_id, private.block_id))
+        seq.block_ids[index] = private.block_id
+
+
+def _chain_hash(parent: int | None, tokens: Seq[int]) -> int:
+    return hash((parent, tuple(tokens)))
