@@ -15,26 +15,12 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def _sequence_of_program(
-    query_start_loc_ptr,  # int [num_seqs + 1]
-    num_seqs,
-    q_block_global,
-    BLOCK_Q: tl.constexpr,
-):
-    # Sequence i's programs start at query_start_loc[i] // BLOCK_Q + i: an upper
-    # bound on the query blocks before it, so the grid is sized on the host
-    # without reading any lengths. Binary search for the last start <= ours.
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if first <= q_block_global:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
+# tl.max, tl.sum and tl.zeros are @triton.jit functions themselves, which a kernel run by the
+# interpreter cannot call unless TRITON_INTERPRET was set before triton was first
+# imported. Reducing with their combine functions works either way (and the
+# interpreter still reduces these two with numpy).
+_max = tl.standard._elementwise_max
+_add = tl.standard._sum_combine
 
 
 @triton.jit
@@ -74,7 +60,18 @@ def unified_attention_kernel(
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
 
-    seq = _sequence_of_program(query_start_loc_ptr, num_seqs, q_block_global, BLOCK_Q)
+    # Sequence i's programs start at query_start_loc[i] // BLOCK_Q + i: an upper bound
+    # on the query blocks before it, so the grid is sized on the host without reading
+    # any lengths. Binary search for the last sequence starting at or before us.
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_block_global:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     query_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start
     q_block = q_block_global - (q_start // BLOCK_Q + seq)
@@ -99,7 +96,7 @@ def unified_attention_kernel(
 
     # The last query of this block sees keys [0, kv_end); later keys are masked for all rows.
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
-    num_tiles = tl.cdiv(kv_end, TILE_N)
+    num_tiles = (kv_end + TILE_N - 1) // TILE_N
     if NUM_SPLITS == 1:
         tile_lo = 0
         tile_hi = num_tiles
@@ -108,8 +105,8 @@ def unified_attention_kernel(
         tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, dtype=tl.float32)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)
@@ -129,12 +126,12 @@ def unified_attention_kernel(
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         visible = key_valid[None, :] & (offs_n[None, :] <= query_abs[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
         # A row with nothing visible yet keeps max -inf; subtracting 0 instead avoids inf - inf.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, _add)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -174,9 +171,9 @@ def reduce_splits_kernel(
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], mask=split_valid[:, None], other=0.0)
     # Split 0 always holds key 0, which every query sees, so the overall max is finite
     # and splits that saw no key (max -inf) get weight exp2(-inf) = 0.
-    m_all = tl.max(m, 0)
+    m_all = tl.reduce(m, 0, _max)
     weight = tl.exp2(m - m_all)
-    total = tl.sum(weight * l, 0)
-    result = tl.sum(acc * weight[:, None], 0) / total
+    total = tl.reduce(weight * l, 0, _add)
+    result = tl.reduce(acc * weight[:, None], 0, _add) / total
     o_offs = token * stride_ot + head * stride_oh + offs_d * stride_od
     tl.store(out_ptr + o_offs, result.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)

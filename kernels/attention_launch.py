@@ -14,7 +14,7 @@ from pagedllm.kernels.launch_support import (
     num_sms,
     require_dtype,
     require_ndim,
-    require_runnable,
+    runnable,
     require_same_device,
 )
 
@@ -72,9 +72,10 @@ def unified_attention_with_splits(
                                dtype=torch.float32, device=q.device)
         part_max = torch.empty(num_tokens, num_heads, tiles.num_splits, dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
-    upcast = q.dtype == torch.float32 or is_interpreted(unified_attention_kernel)
+    kernel = runnable(unified_attention_kernel, q.device)
+    upcast = q.dtype == torch.float32 or is_interpreted(kernel)
     grid = (num_tokens // tiles.block_q + num_seqs, num_kv_heads, tiles.num_splits)
-    unified_attention_kernel[grid](
+    kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum,
         query_start_loc, seq_lens, block_table,
         float(scale) * LOG2_E, num_seqs, num_heads, tiles_per_split,
@@ -101,7 +102,7 @@ def _reduce(
     tiles: AttentionTiles,
 ) -> None:
     num_tokens, num_heads, head_dim = out.shape
-    reduce_splits_kernel[(num_tokens, num_heads)](
+    runnable(reduce_splits_kernel, out.device)[(num_tokens, num_heads)](
         out, part_acc, part_max, part_sum, num_heads, *out.stride(),
         HEAD_DIM=head_dim, HEAD_PAD=tiles.head_pad,
         NUM_SPLITS=tiles.num_splits, SPLITS_PAD=next_power_of_two(tiles.num_splits),
@@ -151,4 +152,3 @@ def _validate(
         raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
     require_same_device(q.device, k_cache=k_cache, v_cache=v_cache, query_start_loc=query_start_loc,
                         seq_lens=seq_lens, block_table=block_table, **({} if out is None else {"out": out}))
-    require_runnable(unified_attention_kernel, q.device)

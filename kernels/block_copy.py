@@ -10,7 +10,7 @@ from pagedllm.kernels.launch_support import (
     INDEX_DTYPES,
     require_dtype,
     require_ndim,
-    require_runnable,
+    runnable,
     require_same_device,
 )
 
@@ -61,7 +61,7 @@ def copy_blocks(
     chunk = min(MAX_CHUNK, 1 << (block_numel - 1).bit_length())
     cache_ptrs = torch.tensor([cache.data_ptr() for cache in caches], dtype=torch.int64, device=caches[0].device)
     grid = (len(caches), block_mapping.shape[0], -(-block_numel // chunk))
-    copy_blocks_kernel[grid](
+    runnable(copy_blocks_kernel, caches[0].device)[grid](
         cache_ptrs, block_mapping, block_mapping.stride(0), block_mapping.stride(1),
         BLOCK_NUMEL=block_numel, CHUNK=chunk, BITS_TYPE=_BITS_TYPE[caches[0].element_size()],
     )
@@ -83,4 +83,3 @@ def _validate(caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
             raise ValueError(f"{name} must be contiguous")
     require_same_device(first.device, block_mapping=block_mapping,
                         **{f"kv_caches[{i // 2}][{i % 2}]": cache for i, cache in enumerate(caches)})
-    require_runnable(copy_blocks_kernel, first.device)

@@ -10,7 +10,7 @@ from pagedllm.kernels.launch_support import (
     INDEX_DTYPES,
     require_dtype,
     require_ndim,
-    require_runnable,
+    runnable,
     require_same_device,
 )
 
@@ -70,7 +70,7 @@ def write_kv(
         return
     row = num_kv_heads * head_dim
     chunk = min(MAX_CHUNK, 1 << (row - 1).bit_length())
-    write_kv_kernel[(num_tokens, -(-row // chunk))](
+    runnable(write_kv_kernel, key.device)[(num_tokens, -(-row // chunk))](
         key, value, k_cache, v_cache, slot_mapping,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         HEAD_DIM=head_dim, ROW=row, CHUNK=chunk, BLOCK_SIZE=k_cache.shape[1],
@@ -100,4 +100,3 @@ def _validate(
     if slot_mapping.numel() != key.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.numel()} entries, expected num_tokens = {key.shape[0]}")
     require_same_device(key.device, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
-    require_runnable(write_kv_kernel, key.device)

@@ -1,23 +1,40 @@
-"""Checks shared by the Triton-lang kernel launchers: devices, dtypes, the interpreter."""
+"""Shared by the Triton-lang kernel launchers: input checks and picking compiled vs interpreted.
+
+``triton.jit`` decides at decoration time, from ``TRITON_INTERPRET``, whether a
+kernel is compiled or interpreted; triton's own library functions decide when
+``triton`` is first imported (transformers imports it early through
+``torch._dynamo``). So the launchers do not depend on that variable: CPU tensors
+always go to an interpreted twin of the kernel, CUDA tensors to the kernel as
+decorated. The kernels call only builtins, so either form runs them.
+"""
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
-INTERPRETER_HINT = "set TRITON_INTERPRET=1 before pagedllm.kernels loads its Triton modules to run them on CPU"
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def is_interpreted(kernel: object) -> bool:
-    """Whether ``triton.jit`` built this kernel for the CPU interpreter (decided at import)."""
+    """Whether this kernel object runs in the CPU interpreter rather than compiled."""
     return isinstance(kernel, InterpretedFunction)
 
 
-def require_runnable(kernel: object, device: torch.device) -> None:
-    """Compiled kernels need CUDA; on CPU only the interpreter can run them."""
-    if device.type != "cuda" and not is_interpreted(kernel):
-        raise RuntimeError(f"Triton kernels got {device.type} tensors: {INTERPRETER_HINT}")
+def runnable(kernel: Any, device: torch.device) -> Any:
+    """The kernel to launch for tensors on ``device``: the interpreter unless on CUDA."""
+    if device.type == "cuda" or is_interpreted(kernel):
+        return kernel
+    return _interpreted(kernel.fn)
+
+
+@functools.cache
+def _interpreted(fn: Callable[..., None]) -> InterpretedFunction:
+    return InterpretedFunction(fn)
 
 
 def require_same_device(device: torch.device, **tensors: torch.Tensor) -> None:
