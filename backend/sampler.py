@@ -106,8 +106,8 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     counts = counts[:, :vocab]
     in_output = counts > 0
 
-    repetition = torch.tensor([r.params.repetition_penalty for r in chosen_rows], dtype=sub.dtype, device=device)
-    if bool((repetition != 1.0).any()):
+    if any(r.params.repetition_penalty != 1.0 for r in chosen_rows):
+        repetition = torch.tensor([r.params.repetition_penalty for r in chosen_rows], dtype=sub.dtype, device=device)
         prompts = _padded([r.prompt_token_ids for r in chosen_rows], vocab, device)
         seen = torch.zeros(len(chosen_rows), vocab + 1, dtype=torch.bool, device=device)
         seen.scatter_(1, prompts, True)
