@@ -1,0 +1,29 @@
+"""Shared pytest fixtures.
+
+``tiny_model_dir`` (session scope) is a factory: ``tiny_model_dir("qwen2")``
+returns the directory of a tiny random-weight checkpoint of that architecture
+("llama", "mistral", "qwen2" or "qwen3"; seed 0, size "tiny"), built with
+``pagedllm.tiny_model.make_tiny_model`` on first use and reused for the rest
+of the test session. Treat the directory as read-only: other tests share it.
+Each build takes about a second (tokenizer training plus weights).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from pagedllm.tiny_model import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    built: dict[str, Path] = {}
+
+    def build(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch)
+        return built[arch]
+
+    return build

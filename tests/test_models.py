@@ -1,0 +1,268 @@
+"""Native Llama-family forward over a paged cache against transformers' own forward (float32)."""
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from pagedllm.attention_backend import REFERENCE_BACKEND
+from pagedllm.attention_metadata import AttentionMetadata
+from pagedllm.models import CausalLM, load_model
+
+ARCHES = ["llama", "mistral", "qwen2", "qwen3"]
+BLOCK_SIZE = 16
+NUM_BLOCKS = 24
+CPU = torch.device("cpu")
+ATOL = 1e-4
+UNWRITTEN = 1e4
+
+
+@dataclass
+class Sequence_:
+    tokens: torch.Tensor  # every token the sequence will ever hold
+    blocks: list[int]  # physical block of each logical block
+    computed: int = 0
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+def make_caches(model: CausalLM, dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
+    # Filled with a huge value so that attending to any slot no step wrote wrecks the logits.
+    return [(torch.full(shape, UNWRITTEN, dtype=dtype), torch.full(shape, UNWRITTEN, dtype=dtype))
+            for _ in range(model.num_layers)]
+
+
+def make_sequences(lengths: Sequence[int], seed: int, vocab_size: int) -> list[Sequence_]:
+    generator = torch.Generator().manual_seed(seed)
+    free = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+    seqs = []
+    for length in lengths:
+        num_blocks = -(-length // BLOCK_SIZE)
+        blocks, free = free[:num_blocks], free[num_blocks:]
+        tokens = torch.randint(1, vocab_size, (length,), generator=generator)
+        seqs.append(Sequence_(tokens, blocks))
+    return seqs
+
+
+def run_step(model: CausalLM, caches: list[tuple[torch.Tensor, torch.Tensor]],
+             scheduled: Sequence[tuple[Sequence_, int]]) -> None:
+    """One engine step: each (sequence, n) computes its next n tokens; logits are kept per sequence."""
+    ids, positions, slots, starts, lens = [], [], [], [0], []
+    for seq, n in scheduled:
+        pos = torch.arange(seq.computed, seq.computed + n)
+        ids.append(seq.tokens[pos])
+        positions.append(pos)
+        slots.append(torch.tensor(seq.blocks)[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+        starts.append(starts[-1] + n)
+        lens.append(seq.computed + n)
+    width = max(len(seq.blocks) for seq, _ in scheduled)
+    table = torch.zeros(len(scheduled), width, dtype=torch.int32)
+    for row, (seq, _) in enumerate(scheduled):
+        table[row, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
+    attn = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_table=table,
+        slot_mapping=torch.cat(slots).long(),
+        max_query_len=max(n for _, n in scheduled),
+        max_seq_len=max(lens),
+    )
+    with torch.inference_mode():
+        logits = model.compute_logits(model(torch.cat(ids), torch.cat(positions), caches, attn))
+    assert logits.dtype == torch.float32
+    offset = 0
+    for seq, n in scheduled:
+        seq.logits.append(logits[offset : offset + n])
+        seq.computed += n
+        offset += n
+
+
+@functools.cache
+def transformers_model(model_dir: Path) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def reference_logits(model_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    hf = transformers_model(model_dir)
+    with torch.inference_mode():
+        return hf(tokens[None]).logits[0].float()
+
+
+def load(model_dir: Path, dtype: torch.dtype = torch.float32) -> CausalLM:
+    return load_model(model_dir, dtype, CPU, REFERENCE_BACKEND)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_chunked_prefill_then_decode_matches_transformers(arch: str, tiny_model_dir: Callable[[str], Path]) -> None:
+    model_dir = tiny_model_dir(arch)
+    model = load(model_dir)
+    caches = make_caches(model)
+    (seq,) = make_sequences([44], seed=1, vocab_size=model.vocab_size)
+    run_step(model, caches, [(seq, 23)])  # prefill chunk ending mid-block
+    run_step(model, caches, [(seq, 17)])  # rest of the 40-token prompt
+    for _ in range(4):
+        run_step(model, caches, [(seq, 1)])
+    torch.testing.assert_close(torch.cat(seq.logits), reference_logits(model_dir, seq.tokens), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_mixed_batch_matches_transformers_per_sequence(arch: str, tiny_model_dir: Callable[[str], Path]) -> None:
+    model_dir = tiny_model_dir(arch)
+    model = load(model_dir)
+    caches = make_caches(model)
+    a, b, c = make_sequences([33, 27, 14], seed=2, vocab_size=model.vocab_size)
+    run_step(model, caches, [(a, 31), (b, 10)])
+    run_step(model, caches, [(a, 1), (b, 15), (c, 12)])
+    run_step(model, caches, [(c, 1), (a, 1), (b, 1)])
+    run_step(model, caches, [(b, 1), (c, 1)])
+    for seq in (a, b, c):
+        torch.testing.assert_close(torch.cat(seq.logits), reference_logits(model_dir, seq.tokens), atol=ATOL, rtol=0)
+
+
+def test_model_reports_cache_geometry(tiny_model_dir: Callable[[str], Path]) -> None:
+    model = load(tiny_model_dir("qwen3"))
+    assert (model.num_layers, model.num_kv_heads, model.head_dim, model.vocab_size) == (4, 2, 96, 2048)
+    assert model.head_dim != model.config.hidden_size // model.config.num_attention_heads
+
+
+def test_sharded_checkpoint_loads_the_same_weights(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    source = tiny_model_dir("llama")
+    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="1MB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    sharded, single = load(tmp_path).state_dict(), load(source).state_dict()
+    assert sharded.keys() == single.keys()
+    for name, tensor in single.items():
+        assert torch.equal(sharded[name], tensor), name
+
+
+def test_tied_embeddings_use_the_embedding_matrix(tiny_model_dir: Callable[[str], Path]) -> None:
+    model_dir = tiny_model_dir("qwen2")
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as handle:
+        assert "lm_head.weight" not in handle.keys()
+    model = load(model_dir)
+    assert model.lm_head is None
+    hidden = torch.randn(3, model.config.hidden_size)
+    expected = hidden @ model.model.embed_tokens.weight.T
+    torch.testing.assert_close(model.compute_logits(hidden), expected)
+
+
+def test_untied_head_is_its_own_matrix(tiny_model_dir: Callable[[str], Path]) -> None:
+    model = load(tiny_model_dir("llama"))
+    assert model.lm_head is not None
+    assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_bfloat16_load_casts_weights_and_returns_float32_logits(tiny_model_dir: Callable[[str], Path]) -> None:
+    model_dir = tiny_model_dir("qwen3")
+    model = load(model_dir, torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    caches = make_caches(model, torch.bfloat16)
+    (seq,) = make_sequences([20], seed=3, vocab_size=model.vocab_size)
+    run_step(model, caches, [(seq, 20)])
+    reference = reference_logits(model_dir, seq.tokens)
+    assert (seq.logits[0] - reference).abs().max() < 0.1 * reference.abs().max()
+
+
+def copy_with_config(source: Path, destination: Path, **changes: object) -> Path:
+    shutil.copytree(source, destination)
+    config = json.loads((destination / "config.json").read_text())
+    config.update(changes)
+    (destination / "config.json").write_text(json.dumps(config))
+    return destination
+
+
+def rewrite_weights(model_dir: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    path = model_dir / "model.safetensors"
+    with safe_open(str(path), framework="pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def test_unknown_architecture_is_named(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    model_dir = copy_with_config(tiny_model_dir("llama"), tmp_path / "m", architectures=["FalconForCausalLM"])
+    with pytest.raises(ValueError, match=r"FalconForCausalLM.*LlamaForCausalLM.*MistralForCausalLM.*Qwen3ForCausalLM"):
+        load(model_dir)
+
+
+def test_missing_tensor_is_named(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    model_dir = copy_with_config(tiny_model_dir("qwen2"), tmp_path / "m")
+    rewrite_weights(model_dir, lambda t: t.pop("model.layers.2.self_attn.k_proj.bias"))
+    with pytest.raises(ValueError, match=r"missing tensors \['model\.layers\.2\.self_attn\.k_proj\.bias'\]"):
+        load(model_dir)
+
+
+def test_unexpected_tensor_is_named(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    model_dir = copy_with_config(tiny_model_dir("mistral"), tmp_path / "m")
+    rewrite_weights(model_dir, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(256)}))
+    with pytest.raises(ValueError, match=r"unexpected tensors \['model\.layers\.0\.self_attn\.q_proj\.bias'\]"):
+        load(model_dir)
+
+
+def test_wrong_shape_is_named(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    model_dir = copy_with_config(tiny_model_dir("llama"), tmp_path / "m")
+    rewrite_weights(model_dir, lambda t: t.update({"model.norm.weight": torch.ones(128)}))
+    with pytest.raises(ValueError, match=r"model\.norm\.weight: \(128,\) != \(256,\)"):
+        load(model_dir)
+
+
+def test_directory_without_weights_is_rejected(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    model_dir = copy_with_config(tiny_model_dir("llama"), tmp_path / "m")
+    (model_dir / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no model.safetensors"):
+        load(model_dir)
+
+
+def test_length_dependent_rope_is_rejected(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    model_dir = copy_with_config(tiny_model_dir("llama"), tmp_path / "m", rope_parameters=rope)
+    with pytest.raises(ValueError, match="rope_type='dynamic' is not supported"):
+        load(model_dir)
+
+
+def test_context_beyond_sliding_window_is_refused(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    model_dir = copy_with_config(tiny_model_dir("mistral"), tmp_path / "m", sliding_window=16)
+    model = load(model_dir)
+    assert model.sliding_window == 16
+    caches = make_caches(model)
+    (seq,) = make_sequences([17], seed=4, vocab_size=model.vocab_size)
+    run_step(model, caches, [(seq, 16)])
+    with pytest.raises(ValueError, match="sliding_window=16"):
+        run_step(model, caches, [(seq, 1)])
+
+
+def test_kv_caches_must_cover_every_layer(tiny_model_dir: Callable[[str], Path]) -> None:
+    model = load(tiny_model_dir("llama"))
+    (seq,) = make_sequences([4], seed=5, vocab_size=model.vocab_size)
+    with pytest.raises(ValueError, match="kv_caches has 3 layers; the model has 4"):
+        run_step(model, make_caches(model)[:3], [(seq, 4)])
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_greedy_decode_equals_transformers_generate(arch: str, tiny_model_dir: Callable[[str], Path]) -> None:
+    model_dir = tiny_model_dir(arch)
+    model = load(model_dir)
+    caches = make_caches(model)
+    new_tokens = 24
+    (seq,) = make_sequences([20 + new_tokens], seed=6, vocab_size=model.vocab_size)
+    prompt = seq.tokens[:20].clone()
+    hf = transformers_model(model_dir)
+    with torch.inference_mode():
+        expected = hf.generate(prompt[None], max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)[0, 20:]
+    run_step(model, caches, [(seq, 20)])
+    for i in range(new_tokens):
+        seq.tokens[20 + i] = seq.logits[-1][-1].argmax()
+        if i + 1 < new_tokens:
+            run_step(model, caches, [(seq, 1)])
+    assert seq.tokens[20:].tolist() == expected.tolist()
