@@ -64,14 +64,14 @@ class Sampler:
         apply_suppression(work, rows)
 
         chosen = torch.empty(len(rows), dtype=torch.long, device=work.device)
-        greedy = [i for i, row in enumerate(rows) if row.params.greedy]
-        random = [i for i, row in enumerate(rows) if not row.params.greedy]
-        if greedy:
-            index = _index(greedy, work.device)
+        greedy_rows = [i for i, row in enumerate(rows) if row.params.greedy]
+        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if greedy_rows:
+            index = _index(greedy_rows, work.device)
             chosen[index] = work[index].argmax(dim=-1)
-        if random:
-            index = _index(random, work.device)
-            chosen[index] = _sample(work[index], [rows[i] for i in random])
+        if random_rows:
+            index = _index(random_rows, work.device)
+            chosen[index] = _sample(work[index], [rows[i] for i in random_rows])
         return _results(raw, chosen, rows)
 
 

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from pagedllm.sampler import SampledToken, Sampler, SamplingRow, apply_penalties, make_generator
+from pagedllm.sampler import Sampler, SamplingRow, apply_penalties, make_generator
 from pagedllm.sampling_params import SamplingParams
 
 VOCAB = 12
@@ -202,4 +202,3 @@ def test_sample_frequencies_follow_tempered_probabilities(temperature: float) ->
 
 def test_empty_batch_returns_nothing() -> None:
     assert Sampler()(torch.empty(0, VOCAB), []) == []
-    assert SampledToken(1, -0.5, None).top_logprobs is None
