@@ -100,6 +100,17 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class Backbone(nn.Module):
+    """Embedding, decoder stack and final norm: the checkpoint's ``model.*`` tensors."""
+
+    def __init__(self, config: PretrainedConfig, traits: ArchitectureTraits, attention: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(config, traits, attention) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
 class CausalLM(nn.Module):
     """One class for the whole Llama family; ``traits`` carry the differences.
 
@@ -127,13 +138,7 @@ class CausalLM(nn.Module):
         self.hidden_size: int = config.hidden_size
         self.sliding_window: int | None = traits.sliding_window
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.model.embed_tokens.requires_grad_(False)
-        self.model.layers = nn.ModuleList(
-            DecoderLayer(config, traits, attention) for _ in range(config.num_hidden_layers)
-        )
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.model = Backbone(config, traits, attention)
         self.lm_head = None if self.tie_word_embeddings else _linear(config.hidden_size, config.vocab_size, False)
         self.rotary = RotaryEmbedding(config, device)
 
