@@ -1,0 +1,285 @@
+"""Attention kernels: Triton-lang paged attention vs the torch reference and SDPA.
+
+``pagedllm bench kernels`` prints three markdown tables: correctness against
+the plain-torch reference (bf16, head_dim 128, block 16, GQA 4 and 8); decode
+bandwidth (K/V bytes read / time, against the GPU's peak) for batch
+{1, 8, 64, 256} x context {512, 4k, 32k}; prefill TFLOP/s for 1k-8k chunks.
+Each timed row also runs ``torch.nn.functional.scaled_dot_product_attention``
+on contiguous K/V of the same shape (the side-by-side baseline). Timing uses
+CUDA events through ``triton.testing.do_bench``. On CPU, or with ``--tiny``,
+tiny shapes run (on CPU through triton's interpreter) so the suite keeps the
+script from rotting; CPU timings mean nothing. Triton is imported only when
+the benchmark runs, so the ``pagedllm`` command starts without it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.kernels import unified_attention_ref
+from pagedllm.kernels.attention_heuristics import plan_attention
+
+# Peak HBM bandwidth in bytes/s; first substring of the device name that matches wins.
+PEAK_BANDWIDTH: tuple[tuple[str, float], ...] = (
+    ("H200", 4.8e12),
+    ("H100 NVL", 3.9e12),
+    ("H100 PCIe", 2.0e12),
+    ("H100", 3.35e12),
+    ("A100-SXM4-80GB", 2.039e12),
+    ("A100 80GB PCIe", 1.935e12),
+    ("A100", 1.555e12),
+    ("L40S", 0.864e12),
+    ("L4", 0.3e12),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Shapes:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    decode_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    prefill_chunks: tuple[int, ...]
+    # (num_heads, num_kv_heads, query lengths, context lengths) per correctness case
+    correctness: tuple[tuple[int, int, tuple[int, ...], tuple[int, ...]], ...]
+
+
+FULL = Shapes(
+    num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16,
+    decode_batches=(1, 8, 64, 256), decode_contexts=(512, 4096, 32768), prefill_chunks=(1024, 2048, 4096, 8192),
+    correctness=(
+        (32, 8, (1, 1, 1, 1, 512, 300), (1, 700, 2500, 4096, 1536, 300)),
+        (64, 8, (1, 1, 1, 1, 512, 300), (1, 700, 2500, 4096, 1536, 300)),
+        (32, 8, (1, 1), (8192, 5000)),
+        (64, 8, (1,), (16384,)),
+    ),
+)
+TINY = Shapes(
+    num_heads=8, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.bfloat16,
+    decode_batches=(1, 2), decode_contexts=(24, 40), prefill_chunks=(16, 32),
+    correctness=((8, 2, (1, 5), (20, 9)), (8, 1, (1, 1), (33, 7))),
+)
+# bf16 rounding of the output, plus bf16 probabilities in the P @ V product on GPU.
+BF16_ATOL, BF16_RTOL = 1e-2, 1.6e-2
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    section: str
+    shape: str
+    triton_ms: float | None = None
+    sdpa_ms: float | None = None
+    metric: float | None = None  # GB/s (decode) or TFLOP/s (prefill) of the Triton kernel
+    sdpa_metric: float | None = None
+    of_peak: float | None = None
+    max_abs_error: float | None = None
+    ok: bool | None = None
+    splits: int | None = None
+
+
+def peak_bandwidth(device_name: str) -> float | None:
+    """Peak HBM bytes/s of a GPU by its CUDA name; ``None`` for GPUs not in the table."""
+    return next((peak for key, peak in PEAK_BANDWIDTH if key in device_name), None)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (automatic on CPU, where the interpreter runs)")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--rep-ms", type=float, default=100.0, help="time budget per measurement on CUDA")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows to this JSON file")
+
+
+def run(args: argparse.Namespace) -> None:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    shapes = TINY if args.tiny or device.type != "cuda" else FULL
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (triton interpreter)"
+    peak = peak_bandwidth(name) if device.type == "cuda" else None
+    generator = torch.Generator(device=device).manual_seed(0)
+    timer = _Timer(device, args.rep_ms)
+    print(f"# pagedllm bench kernels: {name}, {str(shapes.dtype).removeprefix('torch.')}, "
+          f"head_dim {shapes.head_dim}, block {shapes.block_size}, {time.strftime('%Y-%m-%d', time.gmtime())}\n")
+    rows = _correctness(shapes, device, generator)
+    _print(rows, ("shape", "max_abs_error", "ok"))
+    decode = _decode(shapes, device, generator, timer, peak)
+    _print(decode, ("shape", "splits", "triton_ms", "metric", "of_peak", "sdpa_ms", "sdpa_metric", "ratio"),
+           metric="GB/s")
+    prefill = _prefill(shapes, device, generator, timer)
+    _print(prefill, ("shape", "triton_ms", "metric", "sdpa_ms", "sdpa_metric", "ratio"), metric="TFLOP/s")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"device": name, "rows": [asdict(r) for r in rows + decode + prefill]},
+                                        default=str, indent=1))
+    if not all(row.ok for row in rows):
+        raise SystemExit("unified_attention disagrees with the reference")
+
+
+@dataclass(frozen=True, slots=True)
+class _Paged:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    scale: float
+
+    def args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]:
+        return (self.q, self.k_cache, self.v_cache, self.query_start_loc, self.seq_lens, self.block_table, self.scale)
+
+
+def _paged(shapes: Shapes, num_heads: int, num_kv_heads: int, query_lens: Sequence[int], seq_lens: Sequence[int],
+           device: torch.device, generator: torch.Generator) -> _Paged:
+    """Random batch over a cache whose blocks are handed out in a random order (non-contiguous tables)."""
+    block = shapes.block_size
+    per_seq = [-(-n // block) for n in seq_lens]
+    order = torch.randperm(sum(per_seq), device=device, generator=generator).to(torch.int32)
+    table = torch.zeros(len(seq_lens), max(per_seq), dtype=torch.int32, device=device)
+    for row, start in enumerate(torch.tensor([0, *per_seq]).cumsum(0)[:-1].tolist()):
+        table[row, :per_seq[row]] = order[start:start + per_seq[row]]
+    cache_shape = (sum(per_seq), block, num_kv_heads, shapes.head_dim)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, device=device, dtype=shapes.dtype, generator=generator)
+
+    starts = torch.tensor([0, *query_lens], device=device).cumsum(0).to(torch.int32)
+    return _Paged(randn(sum(query_lens), num_heads, shapes.head_dim), randn(*cache_shape), randn(*cache_shape),
+                  starts, torch.tensor(seq_lens, dtype=torch.int32, device=device), table, shapes.head_dim ** -0.5)
+
+
+class _Timer:
+    def __init__(self, device: torch.device, rep_ms: float) -> None:
+        self.device = device
+        self.rep_ms = rep_ms
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        """Mean milliseconds per call: CUDA events on GPU, one wall-clock run on CPU."""
+        if self.device.type == "cuda":
+            from triton.testing import do_bench
+
+            return float(do_bench(fn, warmup=max(1, int(self.rep_ms / 4)), rep=max(1, int(self.rep_ms))))
+        fn()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    def or_none(self, fn: Callable[[], object]) -> float | None:
+        """For the baseline: a backend that runs out of memory at a shape leaves its cell empty."""
+        try:
+            return self(fn)
+        except torch.OutOfMemoryError:
+            _release(self.device)
+            return None
+
+
+def _kernel() -> Callable[..., torch.Tensor]:
+    from pagedllm.kernels import unified_attention
+
+    return unified_attention
+
+
+def _correctness(shapes: Shapes, device: torch.device, generator: torch.Generator) -> list[Row]:
+    rows = []
+    for num_heads, num_kv_heads, query_lens, seq_lens in shapes.correctness:
+        batch = _paged(shapes, num_heads, num_kv_heads, query_lens, seq_lens, device, generator)
+        expected = unified_attention_ref(*batch.args()).float()
+        actual = _kernel()(*batch.args()).float()
+        error = float((actual - expected).abs().max())
+        ok = bool(torch.allclose(actual, expected, atol=BF16_ATOL, rtol=BF16_RTOL))
+        shape = f"GQA {num_heads // num_kv_heads} ({num_heads}/{num_kv_heads}) q {list(query_lens)} ctx {list(seq_lens)}"
+        rows.append(Row("correctness", shape, max_abs_error=error, ok=ok))
+    return rows
+
+
+def _decode(shapes: Shapes, device: torch.device, generator: torch.Generator, timer: _Timer,
+            peak: float | None) -> list[Row]:
+    rows = []
+    attention = _kernel()
+    heads, kv_heads, dim = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim
+    for context in shapes.decode_contexts:
+        for batch_size in shapes.decode_batches:
+            batch = _paged(shapes, heads, kv_heads, [1] * batch_size, [context] * batch_size, device, generator)
+            out = torch.empty_like(batch.q)
+            triton_ms = timer(lambda: attention(*batch.args(), out=out))
+            kv_bytes = 2 * batch_size * context * kv_heads * dim * batch.k_cache.element_size()
+            splits = plan_attention(batch_size, batch_size, heads, kv_heads, dim, batch.block_table.shape[1] *
+                                    shapes.block_size, _num_sms(device)).num_splits
+            del batch
+            q = torch.randn(batch_size, heads, 1, dim, device=device, dtype=shapes.dtype, generator=generator)
+            k = torch.randn(batch_size, kv_heads, context, dim, device=device, dtype=shapes.dtype, generator=generator)
+            v = torch.randn_like(k)
+            sdpa_ms = timer.or_none(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+            del q, k, v
+            bandwidth = kv_bytes / (triton_ms * 1e-3) / 1e9
+            rows.append(Row("decode", f"batch {batch_size} x ctx {context}", triton_ms, sdpa_ms, bandwidth,
+                            None if sdpa_ms is None else kv_bytes / (sdpa_ms * 1e-3) / 1e9,
+                            None if peak is None else bandwidth * 1e9 / peak, splits=splits))
+            _release(device)
+    return rows
+
+
+def _prefill(shapes: Shapes, device: torch.device, generator: torch.Generator, timer: _Timer) -> list[Row]:
+    rows = []
+    attention = _kernel()
+    heads, kv_heads, dim = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim
+    for chunk in shapes.prefill_chunks:
+        # Causal: query i sees i + 1 keys; two matmuls of 2 flops per multiply-add.
+        flops = 2 * 2 * heads * dim * chunk * (chunk + 1) / 2
+        batch = _paged(shapes, heads, kv_heads, [chunk], [chunk], device, generator)
+        out = torch.empty_like(batch.q)
+        triton_ms = timer(lambda: attention(*batch.args(), out=out))
+        del batch
+        q = torch.randn(1, heads, chunk, dim, device=device, dtype=shapes.dtype, generator=generator)
+        k = torch.randn(1, kv_heads, chunk, dim, device=device, dtype=shapes.dtype, generator=generator)
+        v = torch.randn_like(k)
+        sdpa_ms = timer.or_none(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+        del q, k, v
+        rows.append(Row("prefill", f"chunk {chunk}", triton_ms, sdpa_ms, flops / (triton_ms * 1e-3) / 1e12,
+                        None if sdpa_ms is None else flops / (sdpa_ms * 1e-3) / 1e12))
+        _release(device)
+    return rows
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _release(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _print(rows: list[Row], columns: tuple[str, ...], metric: str = "") -> None:
+    titles = {"shape": f"{rows[0].section}", "max_abs_error": "max abs error vs reference", "ok": "ok",
+              "splits": "KV splits", "triton_ms": "triton ms", "metric": f"triton {metric}", "of_peak": "of peak",
+              "sdpa_ms": "SDPA ms", "sdpa_metric": f"SDPA {metric}", "ratio": "triton / SDPA speed"}
+    print("| " + " | ".join(titles[c] for c in columns) + " |")
+    print("|" + "|".join("---" for _ in columns) + "|")
+    for row in rows:
+        print("| " + " | ".join(_cell(row, c) for c in columns) + " |")
+    print()
+
+
+def _cell(row: Row, column: str) -> str:
+    if column == "ratio":
+        return "-" if row.triton_ms is None or row.sdpa_ms is None else f"{row.sdpa_ms / row.triton_ms:.2f}x"
+    value = getattr(row, column)
+    if value is None:
+        return "-"
+    if column == "of_peak":
+        return f"{value:.0%}"
+    if column == "ok":
+        return "yes" if value else "NO"
+    if column == "max_abs_error":
+        return f"{value:.2e}"
+    if isinstance(value, float):
+        return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+    return str(value)
