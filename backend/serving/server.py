@@ -1,0 +1,188 @@
+"""Run the pytriton wheel's tritonserver with the ``pagedllm`` backend, from tests, benchmarks or the CLI."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from pagedllm.serving.backend_dir import assemble_backend_dir
+from pagedllm.serving.stub_env import stub_env_dir
+from pagedllm.serving.triton_files import find_triton_files, interpreter_library_dir
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class TritonServer:
+    """A tritonserver process serving ``model_repository`` with the ``pagedllm`` backend.
+
+    Ports left as ``None`` are picked free. ``log_path=None`` writes the server log to
+    a file in the server's scratch folder (``log_path`` afterwards says where);
+    ``log_path="-"`` lets it share this process's stdout/stderr.
+    """
+
+    def __init__(
+        self,
+        model_repository: str | Path,
+        *,
+        grpc_port: int | None = None,
+        http_port: int | None = None,
+        metrics_port: int | None = None,
+        host: str = "127.0.0.1",
+        log_path: str | Path | None = None,
+        log_verbose: int = 0,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        startup_timeout_s: float = 600.0,
+    ) -> None:
+        self.model_repository = Path(model_repository).resolve()
+        if not self.model_repository.is_dir():
+            raise ValueError(f"model_repository {self.model_repository} is not a folder")
+        self.host = host
+        self.grpc_port = grpc_port or free_port()
+        self.http_port = http_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        self._log_target = log_path
+        self.log_path: Path | None = None
+        self._log_verbose = log_verbose
+        self._extra_args = tuple(extra_args)
+        self._extra_env = dict(env or {})
+        self._startup_timeout_s = startup_timeout_s
+        self._scratch: Path | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log_file: IO[bytes] | None = None
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    def command(self, backend_dir: Path) -> list[str]:
+        files = find_triton_files()
+        return [
+            str(files.server_binary),
+            f"--model-repository={self.model_repository}",
+            f"--backend-directory={backend_dir}",
+            f"--grpc-port={self.grpc_port}",
+            f"--http-port={self.http_port}",
+            f"--metrics-port={self.metrics_port}",
+            f"--grpc-address={self.host}",
+            f"--http-address={self.host}",
+            f"--metrics-address={self.host}",
+            "--allow-metrics=true",
+            "--allow-gpu-metrics=false",
+            f"--log-verbose={self._log_verbose}",
+            *self._extra_args,
+        ]
+
+    def environment(self) -> dict[str, str]:
+        """This process's environment plus what the server and the backend stub need (see ``stub_env``)."""
+        files = find_triton_files()
+        env = dict(os.environ)
+        libraries = [str(files.library_dir)]
+        own_libpython = interpreter_library_dir()
+        if own_libpython is not None:
+            libraries.insert(0, str(own_libpython))
+        if env.get("LD_LIBRARY_PATH"):
+            libraries.append(env["LD_LIBRARY_PATH"])
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(libraries)
+        env["PATH"] = os.pathsep.join([str(stub_env_dir() / "bin"), env.get("PATH", os.defpath)])
+        env.update(self._extra_env)
+        return env
+
+    def start(self) -> TritonServer:
+        """Launch the server and block until it reports ready; raises ``RuntimeError`` with the log tail if not."""
+        if self._process is not None:
+            raise RuntimeError("server already started")
+        self._scratch = Path(tempfile.mkdtemp(prefix="pagedllm-triton-"))
+        backend_dir = assemble_backend_dir(self._scratch / "backends", find_triton_files())
+        if self._log_target == "-":
+            output: IO[bytes] | None = None
+        else:
+            self.log_path = Path(self._log_target) if self._log_target else self._scratch / "tritonserver.log"
+            self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+            output = self._log_file
+        self._process = subprocess.Popen(
+            self.command(backend_dir), env=self.environment(), stdout=output, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            self._wait_ready(self._process)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
+                return bool(response.status == 200)
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def _wait_ready(self, process: subprocess.Popen[bytes]) -> None:
+        deadline = time.monotonic() + self._startup_timeout_s
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {process.returncode}\n{self.log_tail()}")
+            if self.is_ready():
+                return
+            time.sleep(0.25)
+        raise RuntimeError(f"tritonserver not ready after {self._startup_timeout_s:.0f} s\n{self.log_tail()}")
+
+    def log_tail(self, max_chars: int = 6000) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(server log went to the console)"
+        return self.log_path.read_text(errors="replace")[-max_chars:]
+
+    def wait(self) -> int:
+        """Block until the server exits (for the CLI); returns its exit code."""
+        if self._process is None:
+            raise RuntimeError("server not started")
+        return self._process.wait()
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Ask the server to shut down (models get ``finalize``), kill it if it overstays; idempotent."""
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if self._scratch is not None:
+            # A log written into the scratch folder outlives the server for post-mortems.
+            keep_log = self.log_path is not None and self.log_path.parent == self._scratch
+            shutil.rmtree(self._scratch / "backends" if keep_log else self._scratch, ignore_errors=True)
+            self._scratch = None
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()

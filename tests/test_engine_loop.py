@@ -1,0 +1,279 @@
+"""EngineLoop against a small deterministic fake engine (and the real one, when it exists)."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from pagedllm.engine_loop import EngineLoop, RequestTiming
+from pagedllm.outputs import CompletionDelta, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class FakeStats:
+    num_running: int
+    num_blocks_used: int
+
+
+class FakeEngine:
+    """Emits token ``1000 + k`` (text ``"<prompt>k "``) per step per request until max_tokens; one block per request."""
+
+    def __init__(self, fail_on_prompt: str | None = None) -> None:
+        self.active: dict[str, list] = {}  # id -> [prompt, params, produced, aborted]
+        self.steps = 0
+        self.idle_checks = 0
+        self.fail_on_prompt = fail_on_prompt
+        self.thread_ids: set[int] = set()
+        self.frozen = False  # while True, steps make no progress (keeps requests in flight)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        self.thread_ids.add(threading.get_ident())
+        if not prompt:
+            raise ValueError("prompt: must not be empty")
+        if params.max_tokens is not None and params.max_tokens > 50:
+            raise ValueError(f"max_tokens={params.max_tokens} exceeds max_model_len 50")
+        self.active[request_id] = [prompt, params, 0, False]
+
+    def abort_request(self, request_id: str) -> None:
+        self.thread_ids.add(threading.get_ident())
+        if request_id in self.active:
+            self.active[request_id][3] = True
+
+    def has_unfinished_requests(self) -> bool:
+        self.idle_checks += 1
+        return bool(self.active)
+
+    def step(self) -> list[RequestOutput]:
+        self.thread_ids.add(threading.get_ident())
+        self.steps += 1
+        if self.frozen:
+            time.sleep(0.001)
+        outputs = []
+        for request_id, state in list(self.active.items()):
+            prompt, params, produced, aborted = state
+            if self.fail_on_prompt is not None and prompt == self.fail_on_prompt:
+                raise RuntimeError("simulated kernel failure")
+            if aborted:
+                deltas = tuple(CompletionDelta(i, "", (), 0.0, None, "abort") for i in range(params.n))
+                outputs.append(RequestOutput(request_id, prompt, (1, 2, 3), deltas, True))
+                del self.active[request_id]
+                continue
+            if self.frozen:
+                continue
+            state[2] = produced + 1
+            done = state[2] >= params.max_tokens
+            deltas = tuple(CompletionDelta(i, f"{prompt}{produced} ", (1000 + produced,), -0.5 * state[2], None,
+                                           "length" if done else None) for i in range(params.n))
+            outputs.append(RequestOutput(request_id, prompt, (1, 2, 3), deltas, done))
+            if done:
+                del self.active[request_id]
+        return outputs
+
+    def stats(self) -> FakeStats:
+        return FakeStats(len(self.active), len(self.active))
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.outputs: list[RequestOutput] = []
+        self.errors: list[str] = []
+        self.done = threading.Event()
+
+    def on_output(self, output: RequestOutput) -> None:
+        self.outputs.append(output)
+        if output.finished:
+            self.done.set()
+
+    def on_error(self, message: str) -> None:
+        self.errors.append(message)
+        self.done.set()
+
+    def text(self, index: int = 0) -> str:
+        return "".join(d.text for o in self.outputs for d in o.outputs if d.index == index)
+
+
+@pytest.fixture
+def loop_and_engine():
+    engine = FakeEngine()
+    loop = EngineLoop(engine).start()
+    yield loop, engine
+    loop.stop()
+
+
+def test_streams_every_delta_in_order_and_finishes(loop_and_engine) -> None:
+    loop, engine = loop_and_engine
+    sink = Collector()
+    loop.submit("r1", "a", SamplingParams(max_tokens=4), sink.on_output)
+    assert sink.done.wait(5)
+    assert sink.text() == "a0 a1 a2 a3 "
+    assert [o.finished for o in sink.outputs] == [False, False, False, True]
+    assert sink.outputs[-1].outputs[0].finish_reason == "length"
+    assert engine.thread_ids == {loop._thread.ident}
+
+
+def test_bad_input_raises_in_the_submitter_and_the_loop_keeps_serving(loop_and_engine) -> None:
+    loop, engine = loop_and_engine
+    sink = Collector()
+    with pytest.raises(ValueError, match="prompt"):
+        loop.submit("bad", "", SamplingParams(max_tokens=2), sink.on_output)
+    with pytest.raises(ValueError, match="max_tokens"):
+        loop.submit("bad2", "x", SamplingParams(max_tokens=51), sink.on_output)
+    assert loop.running
+    loop.submit("good", "g", SamplingParams(max_tokens=2), sink.on_output)
+    assert sink.done.wait(5)
+    assert sink.text() == "g0 g1 "
+
+
+def test_duplicate_request_id_is_rejected(loop_and_engine) -> None:
+    loop, engine = loop_and_engine
+    first, second = Collector(), Collector()
+    engine.frozen = True
+    loop.submit("same", "a", SamplingParams(max_tokens=40), first.on_output)
+    with pytest.raises(ValueError, match="already in flight"):
+        loop.submit("same", "b", SamplingParams(max_tokens=2), second.on_output)
+    engine.frozen = False
+    assert first.done.wait(5)
+
+
+def test_many_threads_submit_concurrently_and_each_gets_its_own_stream(loop_and_engine) -> None:
+    loop, engine = loop_and_engine
+    sinks = {f"r{i}": Collector() for i in range(24)}
+
+    def client(request_id: str) -> None:
+        length = 1 + int(request_id[1:]) % 7
+        loop.submit(request_id, request_id + ":", SamplingParams(max_tokens=length, n=1 + int(request_id[1:]) % 3),
+                    sinks[request_id].on_output)
+
+    threads = [threading.Thread(target=client, args=(rid,)) for rid in sinks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for request_id, sink in sinks.items():
+        assert sink.done.wait(5)
+        length, n = 1 + int(request_id[1:]) % 7, 1 + int(request_id[1:]) % 3
+        expected = "".join(f"{request_id}:{k} " for k in range(length))
+        assert [sink.text(i) for i in range(n)] == [expected] * n
+    assert engine.active == {}
+
+
+def test_abort_ends_the_request_with_an_abort_delta_and_frees_it(loop_and_engine) -> None:
+    loop, engine = loop_and_engine
+    sink = Collector()
+    first_token = threading.Event()
+
+    def on_output(output: RequestOutput) -> None:
+        engine.frozen = True  # runs on the loop thread: no further tokens until the abort lands
+        sink.on_output(output)
+        first_token.set()
+
+    loop.submit("r", "a", SamplingParams(max_tokens=50), on_output)
+    assert first_token.wait(5)
+    loop.abort("r")
+    assert sink.done.wait(5)
+    assert sink.outputs[-1].outputs[0].finish_reason == "abort"
+    assert len(sink.outputs) == 2
+    assert engine.active == {}
+    loop.abort("r")  # aborting a finished request is a no-op
+    loop.abort("never-existed")
+
+
+def test_cancellation_callback_is_polled_and_aborts(loop_and_engine) -> None:
+    loop, engine = loop_and_engine
+    sink = Collector()
+    cancelled = threading.Event()
+    engine.frozen = True
+    loop.submit("r", "a", SamplingParams(max_tokens=50), sink.on_output, is_cancelled=cancelled.is_set)
+    cancelled.set()
+    assert sink.done.wait(5)
+    assert sink.outputs[-1].outputs[0].finish_reason == "abort"
+    assert engine.active == {}
+
+
+def test_stop_fails_in_flight_requests_and_refuses_new_ones() -> None:
+    engine = FakeEngine()
+    engine.frozen = True
+    loop = EngineLoop(engine).start()
+    with_error, without_error = Collector(), Collector()
+    loop.submit("a", "a", SamplingParams(max_tokens=50), with_error.on_output, on_error=with_error.on_error)
+    loop.submit("b", "b", SamplingParams(max_tokens=50, n=2), without_error.on_output)
+    loop.stop()
+    assert not loop.running
+    assert with_error.errors == ["the model is shutting down"]
+    final = without_error.outputs[-1]
+    assert final.finished and {d.finish_reason for d in final.outputs} <= {"abort"}
+    assert engine.active == {}
+    with pytest.raises(RuntimeError, match="not running"):
+        loop.submit("c", "c", SamplingParams(max_tokens=1), Collector().on_output)
+
+
+def test_engine_failure_fails_in_flight_requests_but_not_the_loop() -> None:
+    engine = FakeEngine(fail_on_prompt="boom")
+    loop = EngineLoop(engine).start()
+    try:
+        doomed = Collector()
+        loop.submit("x", "boom", SamplingParams(max_tokens=3), doomed.on_output, on_error=doomed.on_error)
+        assert doomed.done.wait(5)
+        assert doomed.errors and "simulated kernel failure" in doomed.errors[0]
+        engine.fail_on_prompt = None
+        healthy = Collector()
+        loop.submit("y", "ok", SamplingParams(max_tokens=2), healthy.on_output)
+        assert healthy.done.wait(5)
+        assert healthy.text() == "ok0 ok1 "
+    finally:
+        loop.stop()
+
+
+def test_callback_exception_aborts_only_that_request(loop_and_engine) -> None:
+    loop, engine = loop_and_engine
+
+    def explode(output: RequestOutput) -> None:
+        raise RuntimeError("client went away")
+
+    loop.submit("bad", "a", SamplingParams(max_tokens=50), explode)  # aborted after its first delta
+    sink = Collector()
+    loop.submit("good", "g", SamplingParams(max_tokens=3), sink.on_output)
+    assert sink.done.wait(5)
+    deadline = time.monotonic() + 5
+    while engine.active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.active == {}
+
+
+def test_idle_loop_sleeps_instead_of_spinning(loop_and_engine) -> None:
+    loop, engine = loop_and_engine
+    sink = Collector()
+    loop.submit("r", "a", SamplingParams(max_tokens=2), sink.on_output)
+    assert sink.done.wait(5)
+    time.sleep(0.05)
+    checks, steps = engine.idle_checks, engine.steps
+    time.sleep(0.3)
+    assert (engine.idle_checks, engine.steps) == (checks, steps)
+
+
+def test_on_step_reports_stats_and_finished_request_timings() -> None:
+    ticks = iter(range(10_000))
+    reports: list[tuple[object, list[RequestTiming]]] = []
+    engine = FakeEngine()
+    loop = EngineLoop(engine, on_step=lambda stats, done: reports.append((stats, list(done))),
+                      clock=lambda: float(next(ticks))).start()
+    try:
+        sink = Collector()
+        loop.submit("r", "a", SamplingParams(max_tokens=4, n=2), sink.on_output)
+        assert sink.done.wait(5)
+    finally:
+        loop.stop()
+    assert reports[0] == (FakeStats(0, 0), [])
+    timings = [t for _, done in reports for t in done]
+    assert len(timings) == 1
+    timing = timings[0]
+    assert timing.request_id == "r"
+    assert timing.num_output_tokens == 8 and timing.num_token_steps == 4 and timing.num_prompt_tokens == 3
+    assert timing.finish_reasons == ("length", "length")
+    assert timing.arrival < timing.first_token < timing.last_token <= timing.finished
+    assert timing.time_to_first_token == timing.first_token - timing.arrival
+    assert timing.time_per_output_token == (timing.last_token - timing.first_token) / 3
+    assert reports[-1][0] == FakeStats(0, 0)
