@@ -14,10 +14,12 @@ MIN_DOT_DIM = 16
 # Query rows (query positions x packed heads) per program for decode-only and mixed batches.
 DECODE_BLOCK_M = 16
 PREFILL_BLOCK_M = 64
-# Keys per inner-loop tile; halved for the widest heads to keep the tiles in registers.
+# Keys per inner-loop tile; halved for the widest heads and for fp32 (whose exact
+# dot products run without tensor cores) to keep the tiles in registers.
 KEY_TILE = 64
-WIDE_HEAD_KEY_TILE = 32
+SMALL_KEY_TILE = 32
 WIDE_HEAD = 256
+FP32_PREFILL_BLOCK_M = 32
 # Split-KV: aim for this many programs per streaming multiprocessor, but give every
 # split at least this many keys so the reduce step stays cheap next to the split work.
 PROGRAMS_PER_SM = 2
@@ -48,14 +50,17 @@ def padded_head_dim(head_dim: int) -> int:
     return max(next_power_of_two(head_dim), MIN_DOT_DIM)
 
 
-def query_rows_per_program(is_decode_only: bool, group_pad: int) -> int:
+def query_rows_per_program(is_decode_only: bool, group_pad: int, element_size: int) -> int:
     """Decode programs hold one query position per packed head; prefill holds many positions."""
-    target = DECODE_BLOCK_M if is_decode_only else PREFILL_BLOCK_M
+    if is_decode_only:
+        target = DECODE_BLOCK_M
+    else:
+        target = FP32_PREFILL_BLOCK_M if element_size >= 4 else PREFILL_BLOCK_M
     return max(target, group_pad, MIN_DOT_DIM)
 
 
-def key_tile(head_pad: int) -> int:
-    return WIDE_HEAD_KEY_TILE if head_pad >= WIDE_HEAD else KEY_TILE
+def key_tile(head_pad: int, element_size: int) -> int:
+    return SMALL_KEY_TILE if head_pad >= WIDE_HEAD or element_size >= 4 else KEY_TILE
 
 
 def num_kv_splits(
@@ -90,13 +95,15 @@ def plan_attention(
     head_dim: int,
     max_context: int,
     num_sms: int,
+    element_size: int = 2,
     num_splits: int | None = None,
 ) -> AttentionTiles:
-    """Tile sizes for one launch; ``num_splits=None`` lets :func:`num_kv_splits` decide."""
+    """Tile sizes for one launch (``element_size``: bytes per q/K/V element);
+    ``num_splits=None`` lets :func:`num_kv_splits` decide."""
     group = num_heads // num_kv_heads
     group_pad = next_power_of_two(group)
     head_pad = padded_head_dim(head_dim)
-    block_m = query_rows_per_program(num_tokens == num_seqs, group_pad)
+    block_m = query_rows_per_program(num_tokens == num_seqs, group_pad, element_size)
     if num_splits is None:
         num_splits = num_kv_splits(num_seqs, num_tokens, num_kv_heads, max_context, num_sms)
     return AttentionTiles(
@@ -105,7 +112,7 @@ def plan_attention(
         group_pad=group_pad,
         block_q=block_m // group_pad,
         block_m=block_m,
-        tile_n=key_tile(head_pad),
+        tile_n=key_tile(head_pad, element_size),
         num_splits=num_splits,
         num_warps=4 if block_m * head_pad <= 64 * 128 else 8,
     )

@@ -36,6 +36,10 @@ def unified_attention(
 
     Same contract as :func:`pagedllm.kernels.reference.unified_attention_ref`;
     split-KV is chosen by :func:`pagedllm.kernels.attention_heuristics.num_kv_splits`.
+    Shapes and dtypes are checked; the index values are trusted, since reading
+    them would synchronise with the GPU: ``query_start_loc`` must rise from 0 to
+    ``num_tokens``, each query length must not exceed its ``seq_lens`` entry, and
+    every block a sequence uses must be in its ``block_table`` row.
     """
     return unified_attention_with_splits(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, out)
 
@@ -63,7 +67,7 @@ def unified_attention_with_splits(
         return out
     max_context = block_table.shape[1] * block_size
     tiles = plan_attention(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, max_context,
-                           num_sms(q.device), num_splits)
+                           num_sms(q.device), q.element_size(), num_splits)
     tiles_per_split = max(1, _cdiv(_cdiv(max_context, tiles.tile_n), tiles.num_splits))
     if tiles.num_splits == 1:
         part_acc = part_max = part_sum = out
@@ -144,6 +148,8 @@ def _validate(
         raise ValueError(f"query_start_loc has {query_start_loc.numel()} entries, expected num_seqs + 1 = {num_seqs + 1}")
     if block_table.shape[0] != num_seqs:
         raise ValueError(f"block_table has {block_table.shape[0]} rows, expected num_seqs = {num_seqs}")
+    if num_tokens > 0 and num_seqs == 0:
+        raise ValueError(f"seq_lens is empty but q has {num_tokens} tokens")
     if num_tokens > 0 and block_table.shape[1] == 0:
         raise ValueError("block_table has no columns but the batch has tokens")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype):

@@ -57,5 +57,10 @@ def require_ndim(name: str, tensor: torch.Tensor, ndim: int) -> None:
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors to fill; the interpreter runs programs one at a time."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sms(torch.cuda.current_device() if device.index is None else device.index)
     return 1
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -175,7 +175,7 @@ class _Timer:
         """For the baseline: a backend that runs out of memory at a shape leaves its cell empty."""
         try:
             return self(fn)
-        except torch.OutOfMemoryError:
+        except torch.cuda.OutOfMemoryError:
             _release(self.device)
             return None
 
