@@ -1,0 +1,145 @@
+"""Turn one Triton request's tensors and parameters into a validated generate request.
+
+Same tensor names and meanings as Triton's vLLM backend, so its clients (genai-perf
+``--backend vllm``, the HTTP generate endpoints, Triton's OpenAI frontend) work
+unchanged. Works on plain numpy arrays so it is testable without Triton; every
+problem raises ``ValueError`` whose message starts with the offending field.
+
+Decisions where vllm_backend is loose:
+
+* sampling parameters come from the ``sampling_parameters`` tensor when present,
+  otherwise from the request parameters (the HTTP generate endpoint puts unknown
+  JSON keys there); they are never merged. ``null`` values mean "use the default",
+  as in vllm_backend; unknown keys are errors.
+* ``exclude_input_in_output`` defaults to False without streaming (the prompt is
+  prepended) and to True with streaming; asking for the prompt in a stream is an
+  error, as in vllm_backend. Without streaming and ``n > 1`` every one of the n
+  strings starts with the prompt.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pagedllm.sampling_params import SamplingParams
+
+RETURN_FLAGS = (
+    "return_finish_reason",
+    "return_cumulative_logprob",
+    "return_logprobs",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+)
+BOOL_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
+
+# The model configuration Triton should see; config.pbtxt spells the same thing out.
+INPUT_SPECS: tuple[dict[str, Any], ...] = (
+    {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]},
+    {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    *({"name": name, "data_type": "TYPE_BOOL", "dims": [1], "optional": True} for name in BOOL_INPUTS[1:]),
+)
+OUTPUT_SPECS: tuple[dict[str, Any], ...] = (
+    {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
+    {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
+    {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
+)
+INPUT_NAMES = tuple(spec["name"] for spec in INPUT_SPECS)
+
+
+@dataclass(frozen=True, slots=True)
+class ReturnFlags:
+    """Which optional outputs the client asked for."""
+
+    finish_reason: bool = False
+    cumulative_logprob: bool = False
+    logprobs: bool = False
+    num_input_tokens: bool = False
+    num_output_tokens: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """A parsed, validated request, ready for the engine."""
+
+    prompt: str
+    params: SamplingParams
+    stream: bool
+    prepend_input: bool  # non-streaming only: put the prompt in front of each output text
+    returns: ReturnFlags
+
+
+def parse_request(inputs: Mapping[str, np.ndarray], parameters_json: str | None = None) -> GenerateRequest:
+    """Validate ``inputs`` (tensor name -> array) and the request's parameters JSON."""
+    unexpected = sorted(set(inputs) - set(INPUT_NAMES))
+    if unexpected:
+        raise ValueError(f"{unexpected[0]}: unknown input tensor; expected some of {list(INPUT_NAMES)}")
+    if "text_input" not in inputs:
+        raise ValueError("text_input: required input is missing")
+    prompt = _prompt(_single(inputs, "text_input"))
+    flags = {name: _bool(name, _single(inputs, name)) for name in BOOL_INPUTS if name in inputs}
+    stream = flags.get("stream", False)
+    exclude_input = flags.get("exclude_input_in_output")
+    if stream and exclude_input is False:
+        raise ValueError("exclude_input_in_output: must be true when stream is true (a stream sends only new text)")
+    if "sampling_parameters" in inputs:
+        params = parse_sampling_parameters(_text("sampling_parameters", _single(inputs, "sampling_parameters")),
+                                           "sampling_parameters")
+    else:
+        params = parse_sampling_parameters(parameters_json or "{}", "parameters")
+    returns = ReturnFlags(*(flags.get(name, False) for name in RETURN_FLAGS))
+    return GenerateRequest(prompt, params, stream, prepend_input=not stream and not exclude_input, returns=returns)
+
+
+def parse_sampling_parameters(text: str, field: str) -> SamplingParams:
+    """Build ``SamplingParams`` from a JSON object whose values may be strings (as genai-perf sends them)."""
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{field}: not valid JSON ({error})") from error
+    if not isinstance(values, dict):
+        raise ValueError(f"{field}: must be a JSON object, got {type(values).__name__}")
+    try:
+        return SamplingParams.from_dict({key: value for key, value in values.items() if value is not None})
+    except ValueError as error:
+        raise ValueError(f"{field}: {error}") from error
+
+
+def _single(inputs: Mapping[str, np.ndarray], name: str) -> Any:
+    array = np.asarray(inputs[name])
+    if array.size != 1:
+        raise ValueError(f"{name}: expected exactly one element, got {array.size} (shape {list(array.shape)})")
+    return array.reshape(-1)[0]
+
+
+def _text(name: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (bytes, np.bytes_)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{name}: not valid UTF-8 ({error})") from error
+    raise ValueError(f"{name}: expected a string, got {type(value).__name__}")
+
+
+def _prompt(value: Any) -> str:
+    prompt = _text("text_input", value)
+    if not prompt:
+        raise ValueError("text_input: must not be empty")
+    return prompt
+
+
+def _bool(name: str, value: Any) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)) and int(value) in (0, 1):
+        return bool(value)
+    raise ValueError(f"{name}: expected a boolean, got {value!r}")

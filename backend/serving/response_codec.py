@@ -1,0 +1,105 @@
+"""Turn engine deltas into the output tensors of vllm_backend-compatible Triton responses.
+
+Every response carries one entry per sample (``n`` of them) in ``text_output`` and
+the other per-sample outputs, in sample order. Streaming: one response per engine
+step with only the new text (``""`` for a sample that produced nothing this step).
+Not streaming: one response at the end with each sample's whole text, prompt first
+when asked. ``finish_reason`` is ``"None"`` for a sample still running, as vllm_backend
+writes it. ``logprobs`` is, per sample, a JSON list with one object per new token:
+``{token_id: {"logprob", "rank", "decoded_token"}}`` (``rank`` is ``null`` for a
+sampled token outside the requested top-k, whose exact rank the engine does not
+report), or ``"null"`` when the request asked for no logprobs.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedllm.outputs import CompletionDelta, RequestOutput
+from pagedllm.serving.request_codec import GenerateRequest
+
+Tensors = dict[str, np.ndarray]
+
+
+@dataclass(slots=True)
+class _Sample:
+    text: str = ""
+    num_tokens: int = 0
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[str, dict[str, object]]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class ResponseAssembler:
+    """Per-request state that turns each ``RequestOutput`` into zero or one response's tensors."""
+
+    def __init__(self, request: GenerateRequest, decode_token: Callable[[int], str]) -> None:
+        self.request = request
+        self._decode_token = decode_token
+        self._samples = [_Sample() for _ in range(request.params.n)]
+        self._num_input_tokens = 0
+
+    def add(self, output: RequestOutput) -> Tensors | None:
+        """Record one engine step's output; returns the tensors to send now, or ``None``."""
+        self._num_input_tokens = len(output.prompt_token_ids)
+        step = [_Sample() for _ in self._samples]
+        for delta in output.outputs:
+            self._absorb(self._samples[delta.index], delta)
+            self._absorb(step[delta.index], delta)
+        for total, new in zip(self._samples, step):
+            new.cumulative_logprob = total.cumulative_logprob
+            new.finish_reason = total.finish_reason
+        if self.request.stream:
+            return self._tensors(step, prefix="")
+        if output.finished:
+            return self._tensors(self._samples, prefix=self.request.prompt if self.request.prepend_input else "")
+        return None
+
+    def _absorb(self, sample: _Sample, delta: CompletionDelta) -> None:
+        sample.text += delta.text
+        sample.num_tokens += len(delta.token_ids)
+        sample.cumulative_logprob = delta.cumulative_logprob
+        if delta.finish_reason is not None:
+            sample.finish_reason = delta.finish_reason
+        if delta.logprobs is not None:
+            sample.logprobs.extend(self._logprob_entries(delta))
+
+    def _logprob_entries(self, delta: CompletionDelta) -> list[dict[str, dict[str, object]]]:
+        top_k = self.request.params.logprobs or 0
+        entries = []
+        for chosen, candidates in zip(delta.token_ids, delta.logprobs or ()):
+            ranked = sorted(candidates.items(), key=lambda item: -item[1])
+            # The chosen token is listed even when it is outside the top-k; only then are there k+1 entries.
+            chosen_outside_top_k = len(candidates) > top_k
+            entry: dict[str, dict[str, object]] = {}
+            for position, (token_id, logprob) in enumerate(ranked):
+                unknown_rank = token_id == chosen and chosen_outside_top_k
+                entry[str(token_id)] = {
+                    "logprob": logprob,
+                    "rank": None if unknown_rank else position + 1,
+                    "decoded_token": self._decode_token(token_id),
+                }
+            entries.append(entry)
+        return entries
+
+    def _tensors(self, samples: list[_Sample], prefix: str) -> Tensors:
+        tensors: Tensors = {
+            "text_output": np.array([(prefix + s.text).encode("utf-8") for s in samples], dtype=np.object_),
+        }
+        returns = self.request.returns
+        if returns.finish_reason:
+            tensors["finish_reason"] = np.array([str(s.finish_reason).encode() for s in samples], dtype=np.object_)
+        if returns.cumulative_logprob:
+            tensors["cumulative_logprob"] = np.array([s.cumulative_logprob for s in samples], dtype=np.float32)
+        if returns.logprobs:
+            wanted = self.request.params.logprobs is not None
+            tensors["logprobs"] = np.array(
+                [(json.dumps(s.logprobs) if wanted else "null").encode() for s in samples], dtype=np.object_)
+        if returns.num_input_tokens:
+            tensors["num_input_tokens"] = np.array([self._num_input_tokens], dtype=np.uint32)
+        if returns.num_output_tokens:
+            tensors["num_output_tokens"] = np.array([s.num_tokens for s in samples], dtype=np.uint32)
+        return tensors

@@ -1,0 +1,86 @@
+"""Engine deltas -> vllm_backend-compatible output tensors, without Triton."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from pagedllm.outputs import CompletionDelta, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.serving.request_codec import GenerateRequest, ReturnFlags
+from pagedllm.serving.response_codec import ResponseAssembler
+
+ALL_RETURNS = ReturnFlags(True, True, True, True, True)
+
+
+def request(stream: bool, prepend: bool = False, n: int = 1, logprobs: int | None = None,
+            returns: ReturnFlags = ALL_RETURNS) -> GenerateRequest:
+    return GenerateRequest("Say:", SamplingParams(n=n, logprobs=logprobs), stream, prepend, returns)
+
+
+def step(deltas: list[CompletionDelta], finished: bool = False) -> RequestOutput:
+    return RequestOutput("r", "Say:", (5, 6, 7), tuple(deltas), finished)
+
+
+def delta(index: int, text: str, tokens: tuple[int, ...], cum: float, reason: str | None = None,
+          logprobs: tuple[dict[int, float], ...] | None = None) -> CompletionDelta:
+    return CompletionDelta(index, text, tokens, cum, logprobs, reason)
+
+
+def strings(array: np.ndarray) -> list[str]:
+    return [item.decode() for item in array]
+
+
+def test_streaming_sends_each_delta_with_per_sample_entries() -> None:
+    assembler = ResponseAssembler(request(stream=True, n=2), decode_token=str)
+    first = assembler.add(step([delta(0, " a", (10,), -1.0), delta(1, " b", (11,), -2.0)]))
+    second = assembler.add(step([delta(1, "c", (12, 13), -3.0, "stop")]))
+    last = assembler.add(step([delta(0, "", (14,), -1.5, "length")], finished=True))
+    assert strings(first["text_output"]) == [" a", " b"]
+    assert strings(second["text_output"]) == ["", "c"]
+    assert strings(last["text_output"]) == ["", ""]
+    assert strings(second["finish_reason"]) == ["None", "stop"]
+    assert strings(last["finish_reason"]) == ["length", "stop"]
+    assert second["num_output_tokens"].tolist() == [0, 2]
+    assert second["num_output_tokens"].dtype == np.uint32
+    assert second["cumulative_logprob"].tolist() == [-1.0, -3.0]
+    assert second["cumulative_logprob"].dtype == np.float32
+    assert last["num_input_tokens"].tolist() == [3]
+    assert strings(last["logprobs"]) == ["null", "null"]
+
+
+def test_non_streaming_sends_one_response_with_the_prompt_prepended() -> None:
+    assembler = ResponseAssembler(request(stream=False, prepend=True, n=2), decode_token=str)
+    assert assembler.add(step([delta(0, " x", (1,), -1.0), delta(1, " y", (2,), -1.0)])) is None
+    final = assembler.add(step([delta(0, "z", (3,), -2.0, "length"), delta(1, "w", (4,), -2.0, "stop")], True))
+    assert strings(final["text_output"]) == ["Say: xz", "Say: yw"]
+    assert final["num_output_tokens"].tolist() == [2, 2]
+    assert strings(final["finish_reason"]) == ["length", "stop"]
+
+
+def test_non_streaming_without_the_prompt() -> None:
+    assembler = ResponseAssembler(request(stream=False, prepend=False, returns=ReturnFlags()), decode_token=str)
+    final = assembler.add(step([delta(0, "hello", (1, 2), -1.0, "stop")], finished=True))
+    assert list(final) == ["text_output"]
+    assert strings(final["text_output"]) == ["hello"]
+
+
+def test_multibyte_text_is_utf8_encoded() -> None:
+    assembler = ResponseAssembler(request(stream=True), decode_token=str)
+    out = assembler.add(step([delta(0, "né ☃", (1,), -1.0)]))
+    assert out["text_output"][0] == "né ☃".encode()
+
+
+def test_logprobs_are_json_with_rank_and_decoded_token() -> None:
+    assembler = ResponseAssembler(request(stream=True, logprobs=2), decode_token=lambda t: f"<{t}>")
+    inside = {7: -0.1, 8: -2.5}  # chosen token 7 is in the top-2
+    outside = {3: -0.2, 4: -0.9, 9: -4.0}  # chosen token 9 is not: three entries, its rank is unknown
+    out = assembler.add(step([delta(0, "ab", (7, 9), -4.1, logprobs=(inside, outside))]))
+    tokens = json.loads(out["logprobs"][0])
+    assert tokens == [
+        {"7": {"logprob": -0.1, "rank": 1, "decoded_token": "<7>"},
+         "8": {"logprob": -2.5, "rank": 2, "decoded_token": "<8>"}},
+        {"3": {"logprob": -0.2, "rank": 1, "decoded_token": "<3>"},
+         "4": {"logprob": -0.9, "rank": 2, "decoded_token": "<4>"},
+         "9": {"logprob": -4.0, "rank": None, "decoded_token": "<9>"}},
+    ]
