@@ -43,7 +43,7 @@ def unified_attention_kernel(
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_bt,
+    stride_bt, stride_bb,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     GROUP: tl.constexpr,
@@ -111,7 +111,7 @@ def unified_attention_kernel(
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)
         key_valid = offs_n < kv_end
-        block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        block = tl.load(table_row + (offs_n // BLOCK_SIZE) * stride_bb, mask=key_valid, other=0).to(tl.int64)
         in_block = (offs_n % BLOCK_SIZE).to(tl.int64)
         k_offs = (block[None, :] * stride_kb + in_block[None, :] * stride_ks
                   + kv_head * stride_kh + offs_d[:, None] * stride_kd)

@@ -14,8 +14,8 @@ from pagedllm.kernels.launch_support import (
     num_sms,
     require_dtype,
     require_ndim,
-    runnable,
     require_same_device,
+    runnable,
 )
 
 MAX_HEAD_DIM = 256
@@ -61,6 +61,9 @@ def unified_attention_with_splits(
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.numel()
+    # The kernel indexes these 1-D tensors densely; a no-op for the usual contiguous ones.
+    query_start_loc = query_start_loc.contiguous()
+    seq_lens = seq_lens.contiguous()
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
@@ -83,7 +86,7 @@ def unified_attention_with_splits(
         q, k_cache, v_cache, out, part_acc, part_max, part_sum,
         query_start_loc, seq_lens, block_table,
         float(scale) * LOG2_E, num_seqs, num_heads, tiles_per_split,
-        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
+        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(),
         HEAD_DIM=head_dim, HEAD_PAD=tiles.head_pad, GROUP=tiles.group, GROUP_PAD=tiles.group_pad,
         BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m, TILE_N=tiles.tile_n, BLOCK_SIZE=block_size,
         NUM_SPLITS=tiles.num_splits, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",

@@ -98,13 +98,15 @@ def test_unified_attention_matches_reference(case: Case) -> None:
     torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[case.dtype], rtol=0)
 
 
-def test_public_entry_point_writes_into_strided_out_from_strided_q() -> None:
-    """q as a view of a fused projection (row stride > heads * dim), out preallocated."""
-    case = Case((1, 3), (9, 3), 4, 2, 64, 16)
+def test_public_entry_point_handles_strided_inputs_and_preallocated_out() -> None:
+    """q as a view of a fused projection (row stride > heads * dim), a column-major block table."""
+    case = Case((1, 3), (40, 3), 4, 2, 64, 16)
     batch = make_batch(case)
     fused = torch.randn(sum(case.query_lens), 2 * case.num_heads * case.head_dim)
     q = fused[:, : case.num_heads * case.head_dim].view(-1, case.num_heads, case.head_dim)
-    args = (q, *batch.args()[1:])
+    block_table = batch.block_table.t().contiguous().t()
+    assert block_table.stride(1) != 1
+    args = (q, *batch.args()[1:5], block_table, batch.scale)
     out = torch.full_like(q, float("nan"))
     result = unified_attention(*args, out=out)
     assert result is out
