@@ -159,25 +159,30 @@ class LLMEngine:
         self._generation_tokens_total += 1
         seq.token_ids.append(token.token_id)
         seq.cumulative_logprob += token.logprob
-        update = seq.detokenizer.update([token.token_id])
-        text = update.text
-        reason = self._finish_reason(seq, token.token_id, update.stop_string)
+        stop_token = self._is_stop_token(seq, token.token_id)
+        # As in vLLM, the EOS / stop token that ends a sample is not part of its text.
+        if stop_token and not params.include_stop_str_in_output:
+            text, stop_string = "", None
+        else:
+            update = seq.detokenizer.update([token.token_id])
+            text, stop_string = update.text, update.stop_string
+        reason = "stop" if stop_token or stop_string is not None else self._length_reason(seq)
         if reason is not None:
-            if update.stop_string is None:
+            if stop_string is None:
                 text += seq.detokenizer.flush()
             self._finish(seq, reason)
         logprobs = (token.top_logprobs or {token.token_id: token.logprob},) if params.logprobs is not None else None
         return CompletionDelta(seq.index, text, (token.token_id,), seq.cumulative_logprob, logprobs, reason)
 
-    def _finish_reason(self, seq: Sequence, token_id: int, stop_string: str | None) -> str | None:
+    def _is_stop_token(self, seq: Sequence, token_id: int) -> bool:
         params = seq.request.params
-        if seq.num_output_tokens >= params.min_tokens and (
-            token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos)
-        ):
-            return "stop"
-        if stop_string is not None:
-            return "stop"
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+        if seq.num_output_tokens < params.min_tokens:
+            return False
+        return token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos)
+
+    def _length_reason(self, seq: Sequence) -> str | None:
+        max_tokens = seq.request.params.max_tokens
+        if max_tokens is not None and seq.num_output_tokens >= max_tokens:
             return "length"
         if seq.num_tokens >= self.max_model_len:
             return "length"
@@ -323,6 +328,9 @@ def _checkpoint_dtype(model_dir: Path) -> torch.dtype | None:
 
 def _max_model_len(model: CausalLM, requested: int | None) -> int:
     limit = getattr(model.config, "max_position_embeddings", None)
+    # Sliding-window attention is not implemented: contexts stay within the window.
+    if model.sliding_window is not None:
+        limit = model.sliding_window if limit is None else min(limit, model.sliding_window)
     if requested is None:
         if limit is None:
             raise ValueError("the model config has no max_position_embeddings: set max_model_len")
