@@ -17,8 +17,11 @@ import pytest
 import torch
 
 pytest.importorskip("triton.backends.nvidia")
+try:
+    from triton._C.libtriton import native_specialize_impl
+except ImportError:  # older triton specialises in Python; this check follows 3.9's launcher
+    pytest.skip("needs triton's native launcher specialisation (triton >= 3.5)", allow_module_level=True)
 
-from triton._C.libtriton import native_specialize_impl  # noqa: E402
 from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler import compile as compile_kernel  # noqa: E402
