@@ -20,7 +20,7 @@ pytest.importorskip("triton.backends.nvidia")
 try:
     from triton._C.libtriton import native_specialize_impl
 except ImportError:  # older triton specialises in Python; this check follows 3.9's launcher
-    pytest.skip("needs triton's native launcher specialisation (triton >= 3.5)", allow_module_level=True)
+    pytest.skip("needs the native launcher specialisation of triton 3.9", allow_module_level=True)
 
 from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
