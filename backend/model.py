@@ -1,0 +1,165 @@
+"""Triton Python-based backend ``pagedllm``: decoupled, vllm_backend-compatible, Triton I/O only.
+
+``execute`` parses each request (``serving.request_codec``), hands it to the
+``EngineLoop`` and returns at once. The loop thread turns each engine step into
+tensors (``serving.response_codec``) and a single sender thread sends them through
+the request's response sender in order, the last one with the FINAL flag. Each
+in-flight request's ``is_cancelled()`` is polled before every engine step; a
+cancelled request is aborted (its KV blocks go back to the pool at that step) and
+ends with a CANCELLED error. Bad input ends with an INVALID_ARG error naming the
+field. This is the only module that imports ``triton_python_backend_utils``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from pagedllm.engine import LLMEngine
+from pagedllm.engine_loop import EngineLoop
+from pagedllm.outputs import RequestOutput
+from pagedllm.serving.engine_args import load_engine_config
+from pagedllm.serving.metrics import TritonMetrics
+from pagedllm.serving.request_codec import INPUT_NAMES, INPUT_SPECS, OUTPUT_SPECS, parse_request
+from pagedllm.serving.response_codec import ResponseAssembler, Tensors
+
+@dataclass(slots=True)
+class _Stream:
+    """One in-flight Triton request."""
+
+    sender: Any  # pb_utils.InferenceResponseSender
+    assembler: ResponseAssembler
+
+
+class TritonPythonModel:
+    @classmethod
+    def auto_complete_config(cls, config: Any) -> Any:
+        declared = config.as_dict()
+        inputs = {spec["name"] for spec in declared.get("input", [])}
+        outputs = {spec["name"] for spec in declared.get("output", [])}
+        for spec in INPUT_SPECS:
+            if spec["name"] not in inputs:
+                config.add_input(dict(spec))
+        for spec in OUTPUT_SPECS:
+            if spec["name"] not in outputs:
+                config.add_output(dict(spec))
+        config.set_model_transaction_policy({"decoupled": True})
+        config.set_max_batch_size(0)
+        return config
+
+    def initialize(self, args: dict[str, str]) -> None:
+        self._logger = pb_utils.Logger
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise ValueError("model_transaction_policy.decoupled must be true for the pagedllm backend")
+        version_dir = os.path.join(args["model_repository"], args["model_version"])
+        engine_config = load_engine_config(version_dir)
+        self._logger.log_info(f"[pagedllm] starting engine with {engine_config}")
+        self._engine = LLMEngine(engine_config)
+        self._metrics = self._create_metrics({"model": args["model_name"], "version": args["model_version"]})
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-sender")
+        on_step = self._metrics.record if self._metrics is not None else None
+        self._loop = EngineLoop(self._engine, on_step=on_step).start()
+        self._logger.log_info(f"[pagedllm] ready: max_model_len={self._engine.max_model_len}, "
+                              f"{self._engine.stats().num_blocks_total} KV blocks of {engine_config.block_size}")
+
+    def _create_metrics(self, labels: dict[str, str]) -> TritonMetrics | None:
+        # MetricFamily only exists once the stub serves a model (not during auto-complete).
+        kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE,
+                 "histogram": pb_utils.MetricFamily.HISTOGRAM}
+
+        def make_family(name: str, description: str, kind: str) -> Any:
+            return pb_utils.MetricFamily(name=name, description=description, kind=kinds[kind])
+
+        try:
+            return TritonMetrics(make_family, labels)
+        except pb_utils.TritonModelException as error:
+            # Raised when the server runs with --allow-metrics=false.
+            self._logger.log_warn(f"[pagedllm] custom metrics unavailable: {error}")
+            return None
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            self._start(request)
+        return None
+
+    def _start(self, request: Any) -> None:
+        sender = request.get_response_sender()
+        try:
+            inputs = {}
+            for name in INPUT_NAMES:
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                if tensor is not None:
+                    inputs[name] = tensor.as_numpy()
+            parsed = parse_request(inputs, request.parameters())
+        except ValueError as error:
+            self._send_error(sender, f"invalid request: {error}", "INVALID_ARG")
+            return
+        stream = _Stream(sender, ResponseAssembler(parsed, self._decode_token))
+        request_id = f"{request.request_id() or 'triton'}-{uuid.uuid4().hex}"
+        try:
+            verdict = self._loop.submit_nowait(
+                request_id, parsed.prompt, parsed.params,
+                on_output=lambda output: self._on_output(stream, output),
+                on_error=lambda message: self._send_error(stream.sender, message, "UNAVAILABLE"),
+                is_cancelled=sender.is_cancelled,
+            )
+        except RuntimeError as error:
+            self._send_error(sender, str(error), "UNAVAILABLE")
+            return
+        verdict.add_done_callback(lambda done: self._on_verdict(stream, done))
+
+    def _on_verdict(self, stream: _Stream, verdict: Future[None]) -> None:
+        error = verdict.exception()
+        if error is not None:
+            code = "INVALID_ARG" if isinstance(error, ValueError) else "INTERNAL"
+            self._send_error(stream.sender, f"invalid request: {error}", code)
+
+    def _decode_token(self, token_id: int) -> str:
+        return str(self._engine.tokenizer.decode([token_id]))
+
+    def _on_output(self, stream: _Stream, output: RequestOutput) -> None:
+        """Loop thread: build the tensors now (cheap), send them from the sender thread."""
+        if output.finished and any(delta.finish_reason == "abort" for delta in output.outputs):
+            self._send_error(stream.sender, "request was cancelled", "CANCELLED")
+            return
+        tensors = stream.assembler.add(output)
+        if tensors is not None or output.finished:
+            self._sender.submit(self._send, stream.sender, tensors, output.finished)
+
+    def _send(self, sender: Any, tensors: Tensors | None, final: bool) -> None:
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        try:
+            if tensors is None:
+                sender.send(flags=flags)
+            else:
+                response = pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor(name, np.ascontiguousarray(value)) for name, value in tensors.items()]
+                )
+                sender.send(response, flags=flags)
+        except Exception as error:  # the client may be gone; the loop polls is_cancelled for that
+            self._logger.log_verbose(f"[pagedllm] could not send a response: {error}")
+
+    def _send_error(self, sender: Any, message: str, code: str) -> None:
+        self._sender.submit(self._send_error_now, sender, message, code)
+
+    def _send_error_now(self, sender: Any, message: str, code: str) -> None:
+        triton_code = getattr(pb_utils.TritonError, code, pb_utils.TritonError.INTERNAL)
+        try:
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, triton_code)),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception as error:
+            self._logger.log_verbose(f"[pagedllm] could not send an error response: {error}")
+
+    def finalize(self) -> None:
+        self._logger.log_info("[pagedllm] stopping")
+        self._loop.stop()  # in-flight requests get a final error response queued on the sender
+        self._sender.shutdown(wait=True)
+        if self._metrics is not None:
+            self._metrics.close()
