@@ -19,8 +19,9 @@ def unified_attention_ref(
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
-    Vectorised over sequences by gathering every context into one padded batch,
-    so a step costs a handful of torch ops rather than one per sequence.
+    Vectorised over sequences: every context is gathered into one padded batch
+    and handed to torch's fused ``scaled_dot_product_attention`` (GQA without
+    repeating K/V), so a step costs a handful of torch ops, not one per sequence.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -34,24 +35,28 @@ def unified_attention_ref(
 
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), query_lens)
     index_in_seq = torch.arange(num_tokens, device=device) - starts[seq_of_token]
-    padded_q = q.new_zeros(num_seqs, max_q, num_heads, head_dim)
-    padded_q[seq_of_token, index_in_seq] = q
+    padded_q = q.new_zeros(num_seqs, num_heads, max_q, head_dim)
+    padded_q[seq_of_token, :, index_in_seq] = q
 
     key_pos = torch.arange(max_s, device=device)
     blocks = block_table.to(device=device, dtype=torch.long)[:, key_pos // block_size]
     slots = blocks * block_size + key_pos % block_size  # [num_seqs, max_s]
-    keys = k_cache.reshape(-1, num_kv_heads, head_dim)[slots]
-    values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots]
-    group = num_heads // num_kv_heads
-    keys = keys.repeat_interleave(group, dim=2).float()
-    values = values.repeat_interleave(group, dim=2).float()
+    # Slots past a sequence's end may hold anything (even NaN): zero them, as 0 * NaN would leak.
+    in_range = key_pos[None, :] < lens[:, None]
+    keys = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].masked_fill_(~in_range[..., None, None], 0)
+    values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].masked_fill_(~in_range[..., None, None], 0)
 
     query_pos = (lens - query_lens)[:, None] + torch.arange(max_q, device=device)[None, :]
-    visible = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < lens[:, None, None])
-    scores = torch.einsum("sqhd,skhd->shqk", padded_q.float(), keys) * scale
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    result = torch.einsum("shqk,skhd->sqhd", probs, values)[seq_of_token, index_in_seq].to(q.dtype)
+    visible = (key_pos[None, None, :] <= query_pos[:, :, None]) & in_range[:, None, :]
+    attended = torch.nn.functional.scaled_dot_product_attention(
+        padded_q,
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=visible[:, None],
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    result = attended[seq_of_token, :, index_in_seq]
     if out is None:
         return result
     out.copy_(result)

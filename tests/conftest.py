@@ -13,8 +13,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedllm.tiny_model import make_tiny_model
+
+# The suite runs beside its own tritonserver processes on a 2-core machine; with
+# more busy threads than cores, OpenMP's spin-waiting makes small torch ops up
+# to 30x slower, so the test process computes on one thread.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
