@@ -41,10 +41,11 @@ def unified_attention_ref(
     key_pos = torch.arange(max_s, device=device)
     blocks = block_table.to(device=device, dtype=torch.long)[:, key_pos // block_size]
     slots = blocks * block_size + key_pos % block_size  # [num_seqs, max_s]
-    # Slots past a sequence's end may hold anything (even NaN): zero them, as 0 * NaN would leak.
+    # Slots past a sequence's end are masked out below; they must hold finite values
+    # (the runner zero-fills the cache, and only finite K/V are ever written).
     in_range = key_pos[None, :] < lens[:, None]
-    keys = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].masked_fill_(~in_range[..., None, None], 0)
-    values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].masked_fill_(~in_range[..., None, None], 0)
+    keys = k_cache.reshape(-1, num_kv_heads, head_dim)[slots]
+    values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots]
 
     query_pos = (lens - query_lens)[:, None] + torch.arange(max_q, device=device)[None, :]
     visible = (key_pos[None, None, :] <= query_pos[:, :, None]) & in_range[:, None, :]
