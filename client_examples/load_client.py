@@ -1,0 +1,237 @@
+#!/usr/bin/env python3
+"""Load-test a Triton LLM model over gRPC streaming: TTFT, inter-token latency, output tokens/s.
+
+    python client_examples/load_client.py --concurrency 16 --num-requests 128 \\
+        --prompt-words 64 --prompt-dist uniform --output-tokens 128 --output-dist normal --plot load.png
+
+``--concurrency`` clients each keep one request in flight. Prompt lengths (in words)
+and output lengths (``max_tokens``, with ``ignore_eos`` so they are exact) are drawn
+from the chosen distributions with a fixed seed. Prints percentiles and writes a PNG.
+Importable: ``run_load(...)`` returns a ``LoadReport`` (benchmarks reuse it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import tritonclient.grpc as grpcclient
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grpc_stream_client import stream_generate  # noqa: E402
+
+WORDS = ("the", "model", "server", "token", "stream", "cache", "block", "batch", "python", "import", "value",
+         "request", "latency", "kernel", "memory", "engine", "queue", "thread", "return", "class")
+DISTRIBUTIONS = ("fixed", "uniform", "normal", "exponential")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    prompt_words: int
+    max_tokens: int
+    start: float  # time.perf_counter()
+    first_token: float | None
+    end: float
+    num_tokens: int
+    inter_token_latencies: tuple[float, ...]
+    error: str | None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.start
+
+    @property
+    def output_tokens_per_s(self) -> float | None:
+        """Decode speed seen by this client: tokens after the first over the time they took."""
+        if self.first_token is None or self.num_tokens < 2 or self.end <= self.first_token:
+            return None
+        return (self.num_tokens - 1) / (self.end - self.first_token)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    concurrency: int
+    records: tuple[RequestRecord, ...]
+    wall_s: float
+
+    @property
+    def ok(self) -> list[RequestRecord]:
+        return [r for r in self.records if r.error is None]
+
+    def summary(self) -> dict[str, object]:
+        ok = self.ok
+        ttft = [r.ttft for r in ok if r.ttft is not None]
+        itl = [gap for r in ok for gap in r.inter_token_latencies]
+        speed = [s for r in ok if (s := r.output_tokens_per_s) is not None]
+        tokens = sum(r.num_tokens for r in ok)
+        return {
+            "concurrency": self.concurrency,
+            "requests": len(self.records),
+            "errors": len(self.records) - len(ok),
+            "wall_s": self.wall_s,
+            "output_tokens": tokens,
+            "output_tokens_per_s": tokens / self.wall_s if self.wall_s > 0 else 0.0,
+            "requests_per_s": len(ok) / self.wall_s if self.wall_s > 0 else 0.0,
+            "ttft_s": percentiles(ttft),
+            "itl_s": percentiles(itl),
+            "per_request_output_tokens_per_s": percentiles(speed),
+        }
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": sum(ordered) / len(ordered)}
+
+
+def sample_lengths(distribution: str, mean: int, count: int, rng: random.Random) -> list[int]:
+    if distribution not in DISTRIBUTIONS:
+        raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
+    if mean < 1:
+        raise ValueError(f"mean length must be >= 1, got {mean}")
+    draw = {
+        "fixed": lambda: mean,
+        "uniform": lambda: rng.randint(max(1, mean // 2), max(1, mean + mean // 2)),
+        "normal": lambda: round(rng.gauss(mean, mean / 4)),
+        "exponential": lambda: round(rng.expovariate(1 / mean)),
+    }[distribution]
+    return [max(1, int(draw())) for _ in range(count)]
+
+
+def make_prompt(num_words: int, rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(num_words))
+
+
+def run_load(url: str, model: str, *, concurrency: int, num_requests: int, prompt_words: int = 32,
+             prompt_dist: str = "fixed", output_tokens: int = 64, output_dist: str = "fixed", seed: int = 0,
+             temperature: float = 0.0, progress: bool = True) -> LoadReport:
+    """Send ``num_requests`` streamed requests, ``concurrency`` at a time; never raises for server errors."""
+    if concurrency < 1 or num_requests < 1:
+        raise ValueError("concurrency and num_requests must be >= 1")
+    rng = random.Random(seed)
+    prompt_lengths = sample_lengths(prompt_dist, prompt_words, num_requests, rng)
+    output_lengths = sample_lengths(output_dist, output_tokens, num_requests, rng)
+    prompts = [make_prompt(n, rng) for n in prompt_lengths]
+    local = threading.local()
+    clients: list[grpcclient.InferenceServerClient] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> RequestRecord:
+        if not hasattr(local, "client"):
+            local.client = grpcclient.InferenceServerClient(url)
+            with lock:
+                clients.append(local.client)
+        sampling = {"max_tokens": output_lengths[i], "temperature": temperature, "ignore_eos": True, "seed": seed + i}
+        start = time.perf_counter()
+        first, last, tokens, gaps, error = None, start, 0, [], None
+        try:
+            for event in stream_generate(local.client, model, prompts[i], sampling):
+                if event.num_tokens == 0:
+                    continue
+                if first is None:
+                    first = event.arrived
+                else:
+                    gaps.extend([(event.arrived - last) / event.num_tokens] * event.num_tokens)
+                last = event.arrived
+                tokens += event.num_tokens
+        except Exception as failure:  # report, keep loading
+            error = str(failure)
+        return RequestRecord(prompt_lengths[i], output_lengths[i], start, first, time.perf_counter(), tokens,
+                             tuple(gaps), error)
+
+    began = time.perf_counter()
+    records: list[RequestRecord] = []
+    with ThreadPoolExecutor(max_workers=concurrency) as pool, \
+            tqdm(total=num_requests, disable=not progress, desc=f"c={concurrency}", unit="req") as bar:
+        for record in pool.map(one, range(num_requests)):
+            records.append(record)
+            bar.update(1)
+    wall = time.perf_counter() - began
+    for client in clients:
+        client.close()
+    return LoadReport(concurrency, tuple(records), wall)
+
+
+def plot(report: LoadReport, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = report.ok
+    panels = [
+        ("time to first token (ms)", [r.ttft * 1e3 for r in ok if r.ttft is not None]),
+        ("inter-token latency (ms)", [g * 1e3 for r in ok for g in r.inter_token_latencies]),
+        ("per-request output tokens/s", [s for r in ok if (s := r.output_tokens_per_s) is not None]),
+    ]
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for axis, (title, values) in zip(axes, panels):
+        if values:
+            axis.hist(values, bins=40, color="#4477aa")
+            for q, style in ((0.5, "-"), (0.9, "--"), (0.99, ":")):
+                axis.axvline(percentiles(values)[f"p{round(q * 100)}"], color="black", linestyle=style,
+                             label=f"p{round(q * 100)}")
+            axis.legend()
+        axis.set_title(title)
+    summary = report.summary()
+    figure.suptitle(f"concurrency {report.concurrency}: {summary['requests']} requests, "
+                    f"{summary['output_tokens_per_s']:.1f} output tok/s overall, {summary['errors']} errors")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default="localhost:8001", help="Triton gRPC address")
+    parser.add_argument("--model", default="llm")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-words", type=int, default=32, help="mean prompt length in words")
+    parser.add_argument("--prompt-dist", choices=DISTRIBUTIONS, default="uniform")
+    parser.add_argument("--output-tokens", type=int, default=64, help="mean max_tokens (exact: ignore_eos)")
+    parser.add_argument("--output-dist", choices=DISTRIBUTIONS, default="uniform")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", type=Path, default=Path("load_client.png"))
+    parser.add_argument("--json", type=Path, default=None, help="also write the summary and records here")
+    args = parser.parse_args()
+    report = run_load(args.url, args.model, concurrency=args.concurrency, num_requests=args.num_requests,
+                      prompt_words=args.prompt_words, prompt_dist=args.prompt_dist, output_tokens=args.output_tokens,
+                      output_dist=args.output_dist, seed=args.seed, temperature=args.temperature)
+    summary = report.summary()
+    print(f"\n{summary['requests']} requests ({summary['errors']} errors) in {summary['wall_s']:.2f} s, "
+          f"concurrency {summary['concurrency']}: {summary['output_tokens_per_s']:.1f} output tok/s, "
+          f"{summary['requests_per_s']:.2f} req/s")
+    print(f"{'metric':<34}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}")
+    for key, label, scale in (("ttft_s", "time to first token (ms)", 1e3), ("itl_s", "inter-token latency (ms)", 1e3),
+                              ("per_request_output_tokens_per_s", "per-request output tok/s", 1.0)):
+        row = summary[key]
+        cells = "".join(f"{'-' if row[q] is None else f'{row[q] * scale:.2f}':>10}" for q in ("p50", "p90", "p99", "mean"))
+        print(f"{label:<34}{cells}")
+    for record in report.records:
+        if record.error:
+            print(f"first error: {record.error}", file=sys.stderr)
+            break
+    plot(report, args.plot)
+    print(f"plot: {args.plot}")
+    if args.json:
+        args.json.write_text(json.dumps({"summary": summary, "records": [asdict(r) for r in report.records]}, indent=1))
+    return 0 if summary["errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
