@@ -277,3 +277,37 @@ def test_on_step_reports_stats_and_finished_request_timings() -> None:
     assert timing.time_to_first_token == timing.first_token - timing.arrival
     assert timing.time_per_output_token == (timing.last_token - timing.first_token) / 3
     assert reports[-1][0] == FakeStats(0, 0)
+
+
+def test_real_engine_streams_from_many_threads_exactly_as_offline(tiny_model_dir) -> None:
+    from pagedllm import LLM
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine import LLMEngine
+    from pagedllm.outputs import FinalOutput
+
+    model = str(tiny_model_dir("llama"))
+    prompts = [f"def f{i}(x):" + " return x" * (i % 4) for i in range(12)]
+    params = [SamplingParams(temperature=0, max_tokens=3 + i % 6) for i in range(12)]
+    expected = LLM(model=model, dtype="float32", device="cpu").generate(prompts, params)
+    engine = LLMEngine(EngineConfig(model=model, dtype="float32", device="cpu", num_kv_blocks=64))
+    loop = EngineLoop(engine).start()
+    try:
+        sinks = [Collector() for _ in prompts]
+        with pytest.raises(ValueError, match="max_tokens"):
+            loop.submit("too-long", "x", SamplingParams(max_tokens=10**6), Collector().on_output)
+        threads = [threading.Thread(target=loop.submit, args=(f"r{i}", prompts[i], params[i], sinks[i].on_output))
+                   for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for sink, want in zip(sinks, expected):
+            assert sink.done.wait(60)
+            got = FinalOutput.start(sink.outputs[0], 1)
+            for output in sink.outputs:
+                got.add(output)
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            assert got.outputs[0].text == want.outputs[0].text
+    finally:
+        loop.stop()
+    assert engine.stats().num_blocks_used == 0
