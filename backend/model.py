@@ -4,7 +4,8 @@
 ``EngineLoop`` and returns at once. The loop thread turns each engine step into
 tensors (``serving.response_codec``) and a single sender thread sends them through
 the request's response sender in order, the last one with the FINAL flag. Each
-in-flight request's ``is_cancelled()`` is polled before every engine step; a
+in-flight request's cancellation flag is checked before every engine step (a watcher
+thread refreshes the flags from ``is_cancelled()``, off the engine thread); a
 cancelled request is aborted (its KV blocks go back to the pool at that step) and
 ends with a CANCELLED error. Bad input ends with an INVALID_ARG error naming the
 field. This is the only module that imports ``triton_python_backend_utils``.
@@ -24,6 +25,7 @@ import triton_python_backend_utils as pb_utils
 from pagedllm.engine import LLMEngine
 from pagedllm.engine_loop import EngineLoop
 from pagedllm.outputs import RequestOutput
+from pagedllm.serving.cancellation import CancellationWatcher
 from pagedllm.serving.engine_args import load_engine_config
 from pagedllm.serving.metrics import TritonMetrics
 from pagedllm.serving.request_codec import INPUT_NAMES, INPUT_SPECS, OUTPUT_SPECS, parse_request
@@ -33,6 +35,7 @@ from pagedllm.serving.response_codec import ResponseAssembler, Tensors
 class _Stream:
     """One in-flight Triton request."""
 
+    request_id: str
     sender: Any  # pb_utils.InferenceResponseSender
     assembler: ResponseAssembler
 
@@ -64,6 +67,7 @@ class TritonPythonModel:
         self._engine = LLMEngine(engine_config)
         self._metrics = self._create_metrics({"model": args["model_name"], "version": args["model_version"]})
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-sender")
+        self._watcher = CancellationWatcher()
         on_step = self._metrics.record if self._metrics is not None else None
         self._loop = EngineLoop(self._engine, on_step=on_step).start()
         self._logger.log_info(f"[pagedllm] ready: max_model_len={self._engine.max_model_len}, "
@@ -101,17 +105,18 @@ class TritonPythonModel:
         except ValueError as error:
             self._send_error(sender, f"invalid request: {error}", "INVALID_ARG")
             return
-        stream = _Stream(sender, ResponseAssembler(parsed, self._decode_token))
         request_id = f"{request.request_id() or 'triton'}-{uuid.uuid4().hex}"
+        stream = _Stream(request_id, sender, ResponseAssembler(parsed, self._decode_token))
+        is_cancelled = self._watcher.register(request_id, sender.is_cancelled)
         try:
             verdict = self._loop.submit_nowait(
                 request_id, parsed.prompt, parsed.params,
                 on_output=lambda output: self._on_output(stream, output),
-                on_error=lambda message: self._send_error(stream.sender, message, "UNAVAILABLE"),
-                is_cancelled=sender.is_cancelled,
+                on_error=lambda message: self._end_with_error(stream, message, "UNAVAILABLE"),
+                is_cancelled=is_cancelled,
             )
         except RuntimeError as error:
-            self._send_error(sender, str(error), "UNAVAILABLE")
+            self._end_with_error(stream, str(error), "UNAVAILABLE")
             return
         verdict.add_done_callback(lambda done: self._on_verdict(stream, done))
 
@@ -119,7 +124,11 @@ class TritonPythonModel:
         error = verdict.exception()
         if error is not None:
             code = "INVALID_ARG" if isinstance(error, ValueError) else "INTERNAL"
-            self._send_error(stream.sender, f"invalid request: {error}", code)
+            self._end_with_error(stream, f"invalid request: {error}", code)
+
+    def _end_with_error(self, stream: _Stream, message: str, code: str) -> None:
+        self._watcher.unregister(stream.request_id)
+        self._send_error(stream.sender, message, code)
 
     def _decode_token(self, token_id: int) -> str:
         return str(self._engine.tokenizer.decode([token_id]))
@@ -127,8 +136,10 @@ class TritonPythonModel:
     def _on_output(self, stream: _Stream, output: RequestOutput) -> None:
         """Loop thread: build the tensors now (cheap), send them from the sender thread."""
         if output.finished and any(delta.finish_reason == "abort" for delta in output.outputs):
-            self._send_error(stream.sender, "request was cancelled", "CANCELLED")
+            self._end_with_error(stream, "request was cancelled", "CANCELLED")
             return
+        if output.finished:
+            self._watcher.unregister(stream.request_id)
         tensors = stream.assembler.add(output)
         if tensors is not None or output.finished:
             self._sender.submit(self._send, stream.sender, tensors, output.finished)
@@ -161,5 +172,6 @@ class TritonPythonModel:
         self._logger.log_info("[pagedllm] stopping")
         self._loop.stop()  # in-flight requests get a final error response queued on the sender
         self._sender.shutdown(wait=True)
+        self._watcher.close()
         if self._metrics is not None:
             self._metrics.close()

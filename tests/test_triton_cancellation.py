@@ -1,0 +1,69 @@
+"""The cancellation watcher turns slow per-request probes into cheap flags."""
+from __future__ import annotations
+
+import threading
+import time
+
+from pagedllm.serving.cancellation import CancellationWatcher
+
+
+def wait_until(condition, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return condition()
+
+
+def test_flag_turns_true_after_the_probe_does_and_only_for_that_request() -> None:
+    watcher = CancellationWatcher(interval_s=0.001)
+    try:
+        cancel_a = threading.Event()
+        flag_a = watcher.register("a", cancel_a.is_set)
+        flag_b = watcher.register("b", lambda: False)
+        assert not flag_a() and not flag_b()
+        cancel_a.set()
+        assert wait_until(flag_a)
+        assert not flag_b()
+    finally:
+        watcher.close()
+
+
+def test_a_cancelled_request_is_not_probed_again_and_unregister_forgets_it() -> None:
+    watcher = CancellationWatcher(interval_s=0.001)
+    calls = []
+    try:
+        flag = watcher.register("a", lambda: calls.append(1) or True)
+        assert wait_until(flag)
+        seen = len(calls)
+        time.sleep(0.05)
+        assert len(calls) == seen == 1
+        watcher.unregister("a")
+        assert not flag()
+    finally:
+        watcher.close()
+
+
+def test_a_failing_probe_counts_as_cancelled() -> None:
+    watcher = CancellationWatcher(interval_s=0.001)
+
+    def broken() -> bool:
+        raise RuntimeError("sender gone")
+
+    try:
+        assert wait_until(watcher.register("a", broken))
+    finally:
+        watcher.close()
+
+
+def test_idle_watcher_does_not_probe_and_closes_promptly() -> None:
+    watcher = CancellationWatcher(interval_s=0.001)
+    calls = []
+    watcher.register("a", lambda: calls.append(1) or False)
+    assert wait_until(lambda: len(calls) > 0)
+    watcher.unregister("a")
+    time.sleep(0.02)
+    seen = len(calls)
+    time.sleep(0.05)
+    assert len(calls) == seen
+    watcher.close()
+    assert not watcher._thread.is_alive()
