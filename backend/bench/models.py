@@ -1,0 +1,48 @@
+"""The benchmark checkpoints: random-weight Llama models built locally once, then reused.
+
+``tiny`` (~3.4M parameters) is overhead-bound on CPU: it shows what the
+scheduler and batching cost. ``small`` (~32M parameters, hidden 512, 8 layers)
+is compute-bound on CPU. Both come from ``pagedllm.tiny_model`` and are never
+downloaded.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from pagedllm.tiny_model import SIZES, make_tiny_model
+
+DEFAULT_CACHE = Path(os.environ.get("PAGEDLLM_BENCH_CACHE", Path.home() / ".cache" / "pagedllm" / "bench"))
+ARCH = "llama"
+SEED = 0
+
+
+def bench_model(size: str, cache_dir: Path = DEFAULT_CACHE) -> Path:
+    """Directory of the ``size`` checkpoint, built on first use."""
+    if size not in SIZES:
+        raise ValueError(f"size={size!r} is invalid: expected one of {', '.join(SIZES)}")
+    target = Path(cache_dir) / f"{ARCH}-{size}-seed{SEED}"
+    if (target / "model.safetensors").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename, so a concurrent run never sees half a checkpoint.
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        make_tiny_model(staging, arch=ARCH, seed=SEED, size=size)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def vocab_size(size: str) -> int:
+    """Ids every workload for this model may use (the tokenizer can be a little smaller than the config says)."""
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(bench_model(size)))

@@ -1,0 +1,231 @@
+"""Seeded benchmark workloads, written to JSON so any engine can replay them.
+
+Three shapes, each at three scales (``full`` is what the README reports,
+``quick`` a quarter of it for a fast look, ``tiny`` what the tests run):
+
+* ``long-tail``: prompts of uniform length, output lengths long-tailed
+  (``min_out * e^X`` with ``X ~ Exp(1)``, clipped: median about twice the
+  minimum, a few percent at the maximum). Static batching pays for the longest
+  request of every batch; continuous batching does not.
+* ``shared-prefix``: multi-turn chats over a few long system prompts; turn t
+  of a conversation repeats its system prompt and every earlier turn, so
+  prefix caching can skip most of each prompt.
+* ``parallel-sampling``: prompts asking for ``n`` samples each (seeded
+  temperature sampling), which share the prompt's KV blocks copy-on-write.
+
+Prompts are random token ids in ``[1, vocab_size)``; every request sets
+``ignore_eos`` so each engine produces exactly ``max_tokens`` per sample.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+KINDS = ("long-tail", "shared-prefix", "parallel-sampling")
+SCALES = ("full", "quick", "tiny")
+SAMPLING_TEMPERATURE = 0.8
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadRequest:
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    n: int = 1
+    temperature: float = 0.0  # 0 is greedy
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    kind: str
+    scale: str
+    seed: int
+    vocab_size: int
+    requests: tuple[WorkloadRequest, ...]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(r.prompt_token_ids) for r in self.requests)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens every engine must generate: ``max_tokens`` per sample, EOS ignored."""
+        return sum(r.max_tokens * r.n for r in self.requests)
+
+    @property
+    def max_len(self) -> int:
+        """Longest prompt + output of any request: the context an engine must allow."""
+        return max(len(r.prompt_token_ids) + r.max_tokens for r in self.requests)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "scale": self.scale,
+            "seed": self.seed,
+            "vocab_size": self.vocab_size,
+            "requests": [
+                {"prompt_token_ids": list(r.prompt_token_ids), "max_tokens": r.max_tokens, "n": r.n,
+                 "temperature": r.temperature, "seed": r.seed}
+                for r in self.requests
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Workload:
+        requests = tuple(
+            WorkloadRequest(tuple(r["prompt_token_ids"]), r["max_tokens"], r["n"], r["temperature"], r["seed"])
+            for r in data["requests"]
+        )
+        return cls(data["kind"], data["scale"], data["seed"], data["vocab_size"], requests)
+
+    def fingerprint(self) -> str:
+        """Short content hash: results from another engine are merged only for the identical workload."""
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.kind}-{self.scale}.json"
+
+    def save(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json()))
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> Workload:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+@dataclass(frozen=True, slots=True)
+class _LongTail:
+    num_requests: int
+    prompt_len: tuple[int, int]
+    output_len: tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class _SharedPrefix:
+    num_system_prompts: int
+    system_len: int
+    num_conversations: int
+    turns: int
+    user_len: tuple[int, int]
+    reply_len: tuple[int, int]  # earlier assistant replies, replayed as prompt text
+    output_len: tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class _ParallelSampling:
+    num_prompts: int
+    n: int
+    prompt_len: tuple[int, int]
+    output_len: tuple[int, int]
+
+
+_SHAPES: dict[str, dict[str, Any]] = {
+    "full": {
+        "long-tail": _LongTail(256, (32, 512), (16, 512)),
+        "shared-prefix": _SharedPrefix(4, 384, 32, 4, (16, 64), (16, 64), (16, 128)),
+        "parallel-sampling": _ParallelSampling(32, 4, (64, 256), (32, 128)),
+    },
+    "quick": {
+        "long-tail": _LongTail(64, (32, 512), (16, 512)),
+        "shared-prefix": _SharedPrefix(2, 384, 8, 4, (16, 64), (16, 64), (16, 128)),
+        "parallel-sampling": _ParallelSampling(8, 4, (64, 256), (32, 128)),
+    },
+    "tiny": {
+        "long-tail": _LongTail(12, (4, 40), (2, 24)),
+        "shared-prefix": _SharedPrefix(2, 24, 3, 2, (2, 8), (2, 8), (2, 8)),
+        "parallel-sampling": _ParallelSampling(3, 2, (4, 16), (2, 8)),
+    },
+}
+
+
+def make_workload(kind: str, scale: str = "full", seed: int = 0, vocab_size: int = 2048) -> Workload:
+    """Build a workload; the same arguments always give the same requests."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} is invalid: expected one of {', '.join(KINDS)}")
+    if scale not in SCALES:
+        raise ValueError(f"scale={scale!r} is invalid: expected one of {', '.join(SCALES)}")
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size={vocab_size} is invalid: expected >= 2")
+    # Each kind draws from its own stream, so adding a kind never changes another's requests.
+    rng = np.random.default_rng([seed, KINDS.index(kind)])
+    shape = _SHAPES[scale][kind]
+    if isinstance(shape, _LongTail):
+        requests = _long_tail(rng, shape, vocab_size)
+    elif isinstance(shape, _SharedPrefix):
+        requests = _shared_prefix(rng, shape, vocab_size)
+    else:
+        requests = _parallel_sampling(rng, shape, vocab_size, seed)
+    return Workload(kind, scale, seed, vocab_size, tuple(requests))
+
+
+def long_tail_lengths(rng: np.random.Generator, count: int, low: int, high: int) -> np.ndarray:
+    """``low * e^X``, ``X ~ Exp(1)``, clipped to ``high``: mostly short, a few at the maximum."""
+    return np.minimum(np.round(low * np.exp(rng.exponential(1.0, count))), high).astype(int)
+
+
+def _tokens(rng: np.random.Generator, length: int, vocab_size: int) -> tuple[int, ...]:
+    return tuple(int(t) for t in rng.integers(1, vocab_size, length))
+
+
+def _uniform(rng: np.random.Generator, bounds: tuple[int, int]) -> int:
+    return int(rng.integers(bounds[0], bounds[1] + 1))
+
+
+def _long_tail(rng: np.random.Generator, shape: _LongTail, vocab_size: int) -> list[WorkloadRequest]:
+    outputs = long_tail_lengths(rng, shape.num_requests, *shape.output_len)
+    return [
+        WorkloadRequest(_tokens(rng, _uniform(rng, shape.prompt_len), vocab_size), int(out)) for out in outputs
+    ]
+
+
+def _shared_prefix(rng: np.random.Generator, shape: _SharedPrefix, vocab_size: int) -> list[WorkloadRequest]:
+    systems = [_tokens(rng, shape.system_len, vocab_size) for _ in range(shape.num_system_prompts)]
+    histories = [systems[c % len(systems)] for c in range(shape.num_conversations)]
+    requests = []
+    # Turn-major order: every conversation's first turn, then every second turn, as chat traffic interleaves.
+    for _ in range(shape.turns):
+        for c in range(shape.num_conversations):
+            histories[c] = histories[c] + _tokens(rng, _uniform(rng, shape.user_len), vocab_size)
+            requests.append(WorkloadRequest(histories[c], _uniform(rng, shape.output_len)))
+            histories[c] = histories[c] + _tokens(rng, _uniform(rng, shape.reply_len), vocab_size)
+    return requests
+
+
+def _parallel_sampling(
+    rng: np.random.Generator, shape: _ParallelSampling, vocab_size: int, seed: int
+) -> list[WorkloadRequest]:
+    return [
+        WorkloadRequest(
+            _tokens(rng, _uniform(rng, shape.prompt_len), vocab_size), _uniform(rng, shape.output_len),
+            n=shape.n, temperature=SAMPLING_TEMPERATURE, seed=seed * 1000 + i,
+        )
+        for i in range(shape.num_prompts)
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write every workload of one scale as JSON (what scripts/vllm_cpu_bench.sh replays)."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--scale", choices=SCALES, default="full")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-size", type=int, default=2048)
+    parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of " + ", ".join(KINDS))
+    parser.add_argument("--out", type=Path, default=Path("docs/results/workloads"))
+    args = parser.parse_args(argv)
+    for kind in args.kinds.split(","):
+        workload = make_workload(kind, args.scale, args.seed, args.vocab_size)
+        print(workload.save(args.out / workload.file_name))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
