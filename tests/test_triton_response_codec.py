@@ -74,7 +74,7 @@ def test_multibyte_text_is_utf8_encoded() -> None:
 def test_logprobs_are_json_with_rank_and_decoded_token() -> None:
     assembler = ResponseAssembler(request(stream=True, logprobs=2), decode_token=lambda t: f"<{t}>")
     inside = {7: -0.1, 8: -2.5}  # chosen token 7 is in the top-2
-    outside = {3: -0.2, 4: -0.9, 9: -4.0}  # chosen token 9 is not: three entries, its rank is unknown
+    outside = {3: -0.2, 4: -0.9, 9: -4.0}  # chosen token 9 is not: three entries, ranked just below the top-2
     out = assembler.add(step([delta(0, "ab", (7, 9), -4.1, logprobs=(inside, outside))]))
     tokens = json.loads(out["logprobs"][0])
     assert tokens == [
@@ -82,5 +82,5 @@ def test_logprobs_are_json_with_rank_and_decoded_token() -> None:
          "8": {"logprob": -2.5, "rank": 2, "decoded_token": "<8>"}},
         {"3": {"logprob": -0.2, "rank": 1, "decoded_token": "<3>"},
          "4": {"logprob": -0.9, "rank": 2, "decoded_token": "<4>"},
-         "9": {"logprob": -4.0, "rank": None, "decoded_token": "<9>"}},
+         "9": {"logprob": -4.0, "rank": 3, "decoded_token": "<9>"}},
     ]

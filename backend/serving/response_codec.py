@@ -6,9 +6,10 @@ step with only the new text (``""`` for a sample that produced nothing this step
 Not streaming: one response at the end with each sample's whole text, prompt first
 when asked. ``finish_reason`` is ``"None"`` for a sample still running, as vllm_backend
 writes it. ``logprobs`` is, per sample, a JSON list with one object per new token:
-``{token_id: {"logprob", "rank", "decoded_token"}}`` (``rank`` is ``null`` for a
-sampled token outside the requested top-k, whose exact rank the engine does not
-report), or ``"null"`` when the request asked for no logprobs.
+``{token_id: {"logprob", "rank", "decoded_token"}}``, or ``"null"`` when the request
+asked for no logprobs. A sampled token outside the requested top-k gets rank k + 1
+(the engine does not compute its exact rank; clients such as Triton's OpenAI frontend
+need an integer there).
 """
 from __future__ import annotations
 
@@ -68,21 +69,15 @@ class ResponseAssembler:
             sample.logprobs.extend(self._logprob_entries(delta))
 
     def _logprob_entries(self, delta: CompletionDelta) -> list[dict[str, dict[str, object]]]:
-        top_k = self.request.params.logprobs or 0
         entries = []
-        for chosen, candidates in zip(delta.token_ids, delta.logprobs or ()):
+        for candidates in delta.logprobs or ():
+            # Ranks are positions among the returned entries: exact for the top-k, and k + 1 for a
+            # sampled token listed beyond them.
             ranked = sorted(candidates.items(), key=lambda item: -item[1])
-            # The chosen token is listed even when it is outside the top-k; only then are there k+1 entries.
-            chosen_outside_top_k = len(candidates) > top_k
-            entry: dict[str, dict[str, object]] = {}
-            for position, (token_id, logprob) in enumerate(ranked):
-                unknown_rank = token_id == chosen and chosen_outside_top_k
-                entry[str(token_id)] = {
-                    "logprob": logprob,
-                    "rank": None if unknown_rank else position + 1,
-                    "decoded_token": self._decode_token(token_id),
-                }
-            entries.append(entry)
+            entries.append({
+                str(token_id): {"logprob": logprob, "rank": position + 1, "decoded_token": self._decode_token(token_id)}
+                for position, (token_id, logprob) in enumerate(ranked)
+            })
         return entries
 
     def _tensors(self, samples: list[_Sample], prefix: str) -> Tensors:
