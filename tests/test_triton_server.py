@@ -27,6 +27,8 @@ from pagedllm.serving.triton_files import find_triton_files  # noqa: E402
 MAX_MODEL_LEN = 256
 NUM_KV_BLOCKS = 160
 MODEL = "llm"
+MINIMAL_MODEL = "llm_minimal"
+MINIMAL_CONFIG = 'backend: "pagedllm"\ninstance_group [ { count: 1 kind: KIND_MODEL } ]\n'
 WORDS = ["def", "class", "import", "return", "while", "for", "print", "self", "value", "lambda", "yield", "try"]
 
 
@@ -49,14 +51,16 @@ def model_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     repository = tmp_path_factory.mktemp("model_repository")
-    version = repository / MODEL / "1"
-    version.mkdir(parents=True)
-    config = Path(__file__).resolve().parents[1] / "model_repository" / MODEL / "config.pbtxt"
-    (repository / MODEL / "config.pbtxt").write_text(config.read_text())
-    (version / "model.json").write_text(json.dumps({
+    engine_args = json.dumps({
         "model": str(model_dir), "dtype": "float32", "device": "cpu", "max_model_len": MAX_MODEL_LEN,
         "num_kv_blocks": NUM_KV_BLOCKS, "max_num_seqs": 64, "block_size": 16,
-    }))
+    })
+    bundled = Path(__file__).resolve().parents[1] / "model_repository" / MODEL / "config.pbtxt"
+    # MINIMAL_MODEL has a vllm_backend-style config: the backend fills in tensors and policy.
+    for name, config in ((MODEL, bundled.read_text()), (MINIMAL_MODEL, MINIMAL_CONFIG)):
+        (repository / name / "1").mkdir(parents=True)
+        (repository / name / "config.pbtxt").write_text(config)
+        (repository / name / "1" / "model.json").write_text(engine_args)
     with TritonServer(repository, extra_args=["--exit-timeout-secs=20"]) as running:
         yield running
         print(running.log_tail(3000))
@@ -134,9 +138,9 @@ class StreamClient:
         if response.parameters["triton_final_response"].bool_param:
             target.done.set()
 
-    def send(self, request_id: str, inputs: list) -> StreamResult:
+    def send(self, request_id: str, inputs: list, model: str = MODEL) -> StreamResult:
         self.results[request_id] = StreamResult()
-        self.client.async_stream_infer(MODEL, inputs, request_id=request_id, enable_empty_final_response=True)
+        self.client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
         return self.results[request_id]
 
     def close(self, cancel: bool = False) -> None:
@@ -155,12 +159,13 @@ def stream_once(url: str, prompt: str | bytes | None, params: dict[str, object] 
         client.close()
 
 
-def metrics(server: TritonServer) -> dict[str, float]:
+def metrics(server: TritonServer, model: str = MODEL) -> dict[str, float]:
+    """The pagedllm: series of one model (histogram buckets left out)."""
     text = requests.get(server.metrics_url, timeout=10).text
     values = {}
     for line in text.splitlines():
-        match = re.match(r'^(pagedllm:[a-z0-9_]+)(\{[^}]*\})? ([0-9.e+-]+)$', line)
-        if match and 'le="' not in (match.group(2) or ""):
+        match = re.match(r'^(pagedllm:[a-z0-9_]+)\{([^}]*)\} ([0-9.e+-]+)$', line)
+        if match and f'model="{model}"' in match.group(2) and 'le="' not in match.group(2):
             values[match.group(1)] = float(match.group(3))
     return values
 
@@ -187,6 +192,22 @@ def test_grpc_stream_equals_offline_generate_token_for_token(server: TritonServe
     assert result.arrays[-1]["finish_reason"][0].decode() == expected.finish_reason
     assert int(result.arrays[0]["num_input_tokens"][0]) == len(offline.tokenizer.encode(prompt))
     assert len(result.texts) > 1  # it really streamed
+
+
+def test_a_minimal_vllm_style_config_is_completed_by_the_backend(server: TritonServer, offline: LLM) -> None:
+    config = grpcclient.InferenceServerClient(server.grpc_url).get_model_config(MINIMAL_MODEL, as_json=True)["config"]
+    assert config["model_transaction_policy"]["decoupled"] is True
+    assert config.get("max_batch_size", 0) == 0
+    assert {i["name"] for i in config["input"]} >= {"text_input", "stream", "sampling_parameters"}
+    assert {o["name"] for o in config["output"]} >= {"text_output", "num_output_tokens"}
+    client = StreamClient(server.grpc_url)
+    try:
+        result = client.send("m", make_inputs("yield", greedy(8), stream=True), model=MINIMAL_MODEL)
+        assert result.done.wait(120)
+    finally:
+        client.close()
+    expected = offline.generate(["yield"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    assert result.error is None and result.text() == expected
 
 
 def test_http_generate_prepends_the_prompt_unless_excluded(server: TritonServer, offline: LLM) -> None:
