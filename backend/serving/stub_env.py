@@ -110,3 +110,8 @@ def _install_numpy1(site_packages: Path) -> None:
             f"tensors under NumPy 2):\n{result.stderr[-2000:]}\nInstall it into a folder yourself with "
             f"`pip install --target DIR '{NUMPY_FOR_STUB}'` and set {_NUMPY_DIR_ENV}=DIR"
         )
+
+
+if __name__ == "__main__":
+    # `python -m pagedllm.serving.stub_env` prepares the environment ahead of the first `pagedllm serve`.
+    print(stub_env_dir())
