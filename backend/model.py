@@ -31,6 +31,7 @@ from pagedllm.serving.metrics import TritonMetrics
 from pagedllm.serving.request_codec import INPUT_NAMES, INPUT_SPECS, OUTPUT_SPECS, parse_request
 from pagedllm.serving.response_codec import ResponseAssembler, Tensors
 
+
 @dataclass(slots=True)
 class _Stream:
     """One in-flight Triton request."""
@@ -122,9 +123,10 @@ class TritonPythonModel:
 
     def _on_verdict(self, stream: _Stream, verdict: Future[None]) -> None:
         error = verdict.exception()
-        if error is not None:
-            code = "INVALID_ARG" if isinstance(error, ValueError) else "INTERNAL"
-            self._end_with_error(stream, f"invalid request: {error}", code)
+        if isinstance(error, ValueError):
+            self._end_with_error(stream, f"invalid request: {error}", "INVALID_ARG")
+        elif error is not None:
+            self._end_with_error(stream, str(error), "UNAVAILABLE")
 
     def _end_with_error(self, stream: _Stream, message: str, code: str) -> None:
         self._watcher.unregister(stream.request_id)
@@ -154,11 +156,14 @@ class TritonPythonModel:
                     output_tensors=[pb_utils.Tensor(name, np.ascontiguousarray(value)) for name, value in tensors.items()]
                 )
                 sender.send(response, flags=flags)
-        except Exception as error:  # the client may be gone; the loop polls is_cancelled for that
+        except Exception as error:  # the client may be gone; cancellation polling ends the request
             self._logger.log_verbose(f"[pagedllm] could not send a response: {error}")
 
     def _send_error(self, sender: Any, message: str, code: str) -> None:
-        self._sender.submit(self._send_error_now, sender, message, code)
+        try:
+            self._sender.submit(self._send_error_now, sender, message, code)
+        except RuntimeError:  # the sender thread is gone (after finalize): answer directly
+            self._send_error_now(sender, message, code)
 
     def _send_error_now(self, sender: Any, message: str, code: str) -> None:
         triton_code = getattr(pb_utils.TritonError, code, pb_utils.TritonError.INTERNAL)
