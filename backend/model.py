@@ -3,7 +3,8 @@
 ``execute`` parses each request (``serving.request_codec``), hands it to the
 ``EngineLoop`` and returns at once. The loop thread turns each engine step into
 tensors (``serving.response_codec``) and a single sender thread sends them through
-the request's response sender in order, the last one with the FINAL flag. Each
+the request's response sender in order, the last one with the FINAL flag (merging a
+request's backlog when sending falls behind, see ``serving.response_dispatcher``). Each
 in-flight request's cancellation flag is checked before every engine step (a watcher
 thread refreshes the flags from ``is_cancelled()``, off the engine thread); a
 cancelled request is aborted (its KV blocks go back to the pool at that step) and
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ from pagedllm.serving.engine_args import load_engine_config
 from pagedllm.serving.metrics import TritonMetrics
 from pagedllm.serving.request_codec import INPUT_NAMES, INPUT_SPECS, OUTPUT_SPECS, parse_request
 from pagedllm.serving.response_codec import ResponseAssembler, Tensors
+from pagedllm.serving.response_dispatcher import Data, Failure, ResponseDispatcher
 
 
 @dataclass(slots=True)
@@ -67,7 +69,7 @@ class TritonPythonModel:
         self._logger.log_info(f"[pagedllm] starting engine with {engine_config}")
         self._engine = LLMEngine(engine_config)
         self._metrics = self._create_metrics({"model": args["model_name"], "version": args["model_version"]})
-        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-sender")
+        self._dispatcher = ResponseDispatcher(self._send, self._send_error_now)
         self._watcher = CancellationWatcher()
         on_step = self._metrics.record if self._metrics is not None else None
         self._loop = EngineLoop(self._engine, on_step=on_step).start()
@@ -104,7 +106,7 @@ class TritonPythonModel:
                     inputs[name] = tensor.as_numpy()
             parsed = parse_request(inputs, request.parameters())
         except ValueError as error:
-            self._send_error(sender, f"invalid request: {error}", "INVALID_ARG")
+            self._push(uuid.uuid4().hex, sender, Failure(f"invalid request: {error}", "INVALID_ARG"))
             return
         request_id = f"{request.request_id() or 'triton'}-{uuid.uuid4().hex}"
         stream = _Stream(request_id, sender, ResponseAssembler(parsed, self._decode_token))
@@ -130,7 +132,14 @@ class TritonPythonModel:
 
     def _end_with_error(self, stream: _Stream, message: str, code: str) -> None:
         self._watcher.unregister(stream.request_id)
-        self._send_error(stream.sender, message, code)
+        self._push(stream.request_id, stream.sender, Failure(message, code))
+
+    def _push(self, key: str, sender: Any, item: Data | Failure) -> None:
+        try:
+            self._dispatcher.push(key, sender, item)
+        except RuntimeError:  # the sender thread is gone (after finalize): answer directly
+            if isinstance(item, Failure):
+                self._send_error_now(sender, item.message, item.code)
 
     def _decode_token(self, token_id: int) -> str:
         return str(self._engine.tokenizer.decode([token_id]))
@@ -144,7 +153,7 @@ class TritonPythonModel:
             self._watcher.unregister(stream.request_id)
         tensors = stream.assembler.add(output)
         if tensors is not None or output.finished:
-            self._sender.submit(self._send, stream.sender, tensors, output.finished)
+            self._push(stream.request_id, stream.sender, Data(tensors, output.finished))
 
     def _send(self, sender: Any, tensors: Tensors | None, final: bool) -> None:
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
@@ -159,12 +168,6 @@ class TritonPythonModel:
         except Exception as error:  # the client may be gone; cancellation polling ends the request
             self._logger.log_verbose(f"[pagedllm] could not send a response: {error}")
 
-    def _send_error(self, sender: Any, message: str, code: str) -> None:
-        try:
-            self._sender.submit(self._send_error_now, sender, message, code)
-        except RuntimeError:  # the sender thread is gone (after finalize): answer directly
-            self._send_error_now(sender, message, code)
-
     def _send_error_now(self, sender: Any, message: str, code: str) -> None:
         triton_code = getattr(pb_utils.TritonError, code, pb_utils.TritonError.INTERNAL)
         try:
@@ -175,8 +178,8 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self._logger.log_info("[pagedllm] stopping")
-        self._loop.stop()  # in-flight requests get a final error response queued on the sender
-        self._sender.shutdown(wait=True)
+        self._loop.stop()  # in-flight requests get a final error response queued on the dispatcher
+        self._dispatcher.close()
         self._watcher.close()
         if self._metrics is not None:
             self._metrics.close()

@@ -8,7 +8,7 @@ import numpy as np
 from pagedllm.outputs import CompletionDelta, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.serving.request_codec import GenerateRequest, ReturnFlags
-from pagedllm.serving.response_codec import ResponseAssembler
+from pagedllm.serving.response_codec import ResponseAssembler, merge_tensors
 
 ALL_RETURNS = ReturnFlags(True, True, True, True, True)
 
@@ -84,3 +84,17 @@ def test_logprobs_are_json_with_rank_and_decoded_token() -> None:
          "4": {"logprob": -0.9, "rank": 2, "decoded_token": "<4>"},
          "9": {"logprob": -4.0, "rank": 3, "decoded_token": "<9>"}},
     ]
+
+
+def test_merged_stream_chunks_add_up_to_one_response() -> None:
+    assembler = ResponseAssembler(request(stream=True, n=2, logprobs=0), decode_token=str)
+    first = assembler.add(step([delta(0, "é", (1,), -1.0, logprobs=({1: -1.0},)),
+                                delta(1, "x", (2,), -2.0, logprobs=({2: -2.0},))]))
+    second = assembler.add(step([delta(0, "☃", (3, 4), -3.0, "length", logprobs=({3: -1.0}, {4: -1.0}))], True))
+    merged = merge_tensors([first, second])
+    assert strings(merged["text_output"]) == ["é☃", "x"]
+    assert merged["num_output_tokens"].tolist() == [3, 1] and merged["num_output_tokens"].dtype == np.uint32
+    assert strings(merged["finish_reason"]) == ["length", "None"]
+    assert merged["cumulative_logprob"].tolist() == [-3.0, -2.0]
+    assert [[int(t) for entry in json.loads(s) for t in entry] for s in merged["logprobs"]] == [[1, 3, 4], [2]]
+    assert merge_tensors([first])["text_output"].tolist() == first["text_output"].tolist()

@@ -14,7 +14,7 @@ need an integer there).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -98,3 +98,28 @@ class ResponseAssembler:
         if returns.num_output_tokens:
             tensors["num_output_tokens"] = np.array([s.num_tokens for s in samples], dtype=np.uint32)
         return tensors
+
+
+def merge_tensors(chunks: Sequence[Tensors]) -> Tensors:
+    """Combine consecutive streaming responses of one request into the one response they add up to.
+
+    Texts and logprob lists are concatenated and token counts summed per sample; the
+    rest (finish reasons, cumulative logprobs, prompt length) is taken from the last.
+    """
+    merged = dict(chunks[-1])
+    if len(chunks) == 1:
+        return merged
+    merged["text_output"] = np.array([b"".join(parts) for parts in zip(*(c["text_output"] for c in chunks))],
+                                     dtype=np.object_)
+    if "num_output_tokens" in merged:
+        merged["num_output_tokens"] = np.sum([c["num_output_tokens"] for c in chunks], axis=0, dtype=np.uint32)
+    if "logprobs" in merged:
+        per_sample = zip(*(c["logprobs"] for c in chunks))
+        merged["logprobs"] = np.array([_concat_json_lists(parts) for parts in per_sample], dtype=np.object_)
+    return merged
+
+
+def _concat_json_lists(parts: Sequence[bytes]) -> bytes:
+    if all(part == b"null" for part in parts):
+        return b"null"
+    return json.dumps([entry for part in parts for entry in json.loads(part)]).encode()
