@@ -62,9 +62,12 @@ def interpreter_library_dir() -> Path | None:
     ``LD_LIBRARY_PATH`` makes the stub embed the same Python build (and standard library)
     as the interpreter that launched the server, rather than whatever the system provides.
     """
-    libdir = sysconfig.get_config_var("LIBDIR")
     soname = sysconfig.get_config_var("INSTSONAME")
-    if not libdir or not soname:
+    if not soname:
         return None
-    candidate = Path(libdir) / soname
-    return candidate.parent if candidate.exists() else None
+    # LIBDIR is a build-time path; relocatable builds (uv, conda) keep the library under the prefix.
+    folders = [sysconfig.get_config_var("LIBDIR"), str(Path(sys.base_prefix) / "lib")]
+    for folder in filter(None, folders):
+        if (Path(folder) / soname).exists():
+            return Path(folder)
+    return None
