@@ -1,0 +1,203 @@
+"""KV memory: paged blocks vs contiguous per-request reservations, in the same KV memory.
+
+One workload, one KV pool of ``--kv-slots`` token slots, three ways to hand it out:
+
+* **paged** (measured): pagedllm's scheduler and KV manager (block 16) run
+  the workload with that pool; after every step we record the slots its
+  blocks occupy and the tokens whose K/V they hold. The forward pass is the
+  null model of ``NullEngine`` (occupancy does not depend on the tokens);
+  ``--with-model`` runs the real engine on the tiny checkpoint instead.
+* **max-length reservation** (simulated): each admitted request reserves
+  ``max_model_len`` contiguous slots, as static KV allocation does.
+* **prompt + max_tokens reservation** (simulated): each request reserves
+  exactly what it could ever need.
+
+The two reservation schemes are simulated with the same FCFS admission and
+``max_num_seqs`` (a request joins when its reservation fits; each running
+request then holds its prompt plus one more token per step). Waste is the
+share of occupied slots holding no token, at the step where occupancy peaks
+and averaged over the run; "fit" is how many requests ran concurrently.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from pagedllm.bench import report
+from pagedllm.bench.engines import pagedllm_params
+from pagedllm.bench.models import bench_model
+from pagedllm.bench.null_engine import NullEngine
+from pagedllm.bench.workloads import KINDS, SCALES, Workload, make_workload
+
+DEFAULT_BATCHED_TOKENS = 2048  # EngineConfig's default max_num_batched_tokens
+WASTE_TARGETS = {"paged": ("<", 0.02), "max-length reservation": (">", 0.60)}
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """Per-step KV occupancy of one scheme."""
+
+    scheme: str
+    reserved: list[int]  # slots allocated or reserved after each step
+    held: list[int]  # tokens whose K/V those slots hold
+    running: list[int]  # requests holding memory
+
+    def summary(self, capacity: int) -> dict[str, Any]:
+        peak = max(range(len(self.reserved)), key=self.reserved.__getitem__)
+        total_reserved = sum(self.reserved)
+        return {
+            "scheme": self.scheme, "steps": len(self.reserved), "capacity_slots": capacity,
+            "peak_reserved_slots": self.reserved[peak], "tokens_held_at_peak": self.held[peak],
+            "waste_at_peak": 1 - self.held[peak] / self.reserved[peak] if self.reserved[peak] else 0.0,
+            "mean_waste": 1 - sum(self.held) / total_reserved if total_reserved else 0.0,
+            "peak_concurrent": max(self.running), "mean_concurrent": sum(self.running) / len(self.running),
+        }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", choices=KINDS, default="long-tail")
+    parser.add_argument("--scale", choices=SCALES, default="full")
+    parser.add_argument("--tiny", action="store_true", help="tiny workload and pool (seconds; for tests)")
+    parser.add_argument("--kv-slots", type=int, default=16384, help="KV pool size in token slots, for every scheme")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's (1024)")
+    parser.add_argument("--with-model", action="store_true", help="run the real engine (tiny model), not the null model")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT)
+
+
+def run(args: argparse.Namespace) -> None:
+    report.set_threads(args.threads)
+    workload = make_workload(args.workload, "tiny" if args.tiny else args.scale, args.seed)
+    slots = 512 if args.tiny else args.kv_slots
+    max_model_len = 128 if args.tiny else args.max_model_len
+    if slots % args.block_size:
+        raise ValueError(f"--kv-slots={slots} is invalid: expected a multiple of --block-size={args.block_size}")
+    info = report.machine()
+    print(report.header("pagedllm bench memory", info))
+    paged, engine_info = measure_paged(workload, slots, args.block_size, args.max_num_seqs, max_model_len,
+                                       args.with_model)
+    max_model_len = engine_info["max_model_len"]
+    traces = [
+        paged,
+        simulate_reservation("max-length reservation", workload, slots, args.max_num_seqs, lambda r: max_model_len * r.n),
+        simulate_reservation("prompt+max_tokens reservation", workload, slots, args.max_num_seqs,
+                             lambda r: len(r.prompt_token_ids) + r.max_tokens * r.n),
+    ]
+    rows = [t.summary(slots) for t in traces]
+    print(f"## {workload.kind} ({workload.scale}): {len(workload.requests)} requests, KV pool {slots} slots "
+          f"(block {args.block_size}), max_model_len {max_model_len}, max_num_seqs {args.max_num_seqs}\n")
+    print(report.markdown_table(
+        ("scheme", "peak slots reserved", "tokens held at peak", "waste at peak", "mean waste", "peak concurrent",
+         "mean concurrent", "steps"),
+        [[r["scheme"], r["peak_reserved_slots"], r["tokens_held_at_peak"], f"{100 * r['waste_at_peak']:.1f}%",
+          f"{100 * r['mean_waste']:.1f}%", r["peak_concurrent"], f"{r['mean_concurrent']:.1f}", r["steps"]]
+         for r in rows]))
+    print(f"paged: {engine_info['preemptions']} preemptions, peak {engine_info['peak_blocks_used']} blocks, "
+          f"{'tiny model' if engine_info['with_model'] else 'null model'}, {engine_info['seconds']:.1f} s\n")
+    for row in rows:
+        for scheme, (op, bound) in WASTE_TARGETS.items():
+            if row["scheme"] == scheme:
+                met = row["waste_at_peak"] < bound if op == "<" else row["waste_at_peak"] > bound
+                print(f"- target: {scheme} waste {op} {100 * bound:.0f}%: "
+                      f"{100 * row['waste_at_peak']:.1f}% ({'met' if met else 'MISSED'})")
+    report.write_json(args.out / "memory.json", {
+        "machine": info, "workload": workload.kind, "scale": workload.scale, "fingerprint": workload.fingerprint(),
+        "kv_slots": slots, "block_size": args.block_size, "max_num_seqs": args.max_num_seqs, "engine": engine_info,
+        "rows": rows, "traces": {t.scheme: {"reserved": t.reserved, "held": t.held, "running": t.running} for t in traces},
+    })
+    report.save_plot(args.out / "memory.png", lambda ax: _plot(ax, traces, slots), size=(10.0, 5.0))
+    print(f"\nwrote {args.out / 'memory.json'} and {args.out / 'memory.png'}")
+
+
+def measure_paged(
+    workload: Workload, slots: int, block_size: int, max_num_seqs: int, max_model_len: int | None,
+    with_model: bool = False,
+) -> tuple[Trace, dict[str, Any]]:
+    """Run pagedllm's scheduler and KV manager on the pool; record block occupancy after every step.
+
+    By default the model is the null model of ``NullEngine`` (occupancy does not depend on which
+    tokens come out, and the tests check the traces are identical); ``with_model`` runs the real
+    ``LLMEngine`` on the tiny checkpoint instead.
+    """
+    if with_model:
+        from pagedllm import LLM
+
+        llm = LLM(model=str(bench_model("tiny")), dtype="float32", block_size=block_size,
+                  num_kv_blocks=slots // block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                  seed=workload.seed)
+        engine: Any = llm.engine
+        limit = engine.max_model_len
+        for index, request in enumerate(workload.requests):
+            engine.add_request(str(index), list(request.prompt_token_ids), pagedllm_params(request))
+    else:
+        engine = NullEngine(slots // block_size, block_size, max_num_seqs, DEFAULT_BATCHED_TOKENS)
+        limit = max_model_len or _model_max_len()
+        for request in workload.requests:
+            engine.add_request(request.prompt_token_ids, pagedllm_params(request))
+    reserved, held, running = [], [], []
+    start = time.perf_counter()
+    with tqdm(desc="paged steps", unit="step", leave=False) as bar:
+        while engine.has_unfinished_requests():
+            engine.step()
+            live = engine.scheduler.running
+            reserved.append(engine.kv.num_used_blocks * block_size)
+            held.append(sum(seq.num_computed_tokens for seq in live))
+            running.append(len({seq.request.request_id for seq in live}))
+            bar.update(1)
+    info = {"max_model_len": limit, "seconds": time.perf_counter() - start, "with_model": with_model,
+            "preemptions": engine.scheduler.num_preemptions, "peak_blocks_used": engine.kv.peak_blocks_used}
+    return Trace("paged", reserved, held, running), info
+
+
+def _model_max_len() -> int:
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(bench_model("tiny")).max_position_embeddings)
+
+
+def simulate_reservation(
+    scheme: str, workload: Workload, slots: int, max_num_seqs: int, reservation: Any
+) -> Trace:
+    """FCFS with contiguous per-request reservations: admit while the next reservation fits."""
+    waiting = deque(workload.requests)
+    active: list[list[int]] = []  # [slots reserved, tokens held, decode steps left, samples] per running request
+    reserved_trace, held_trace, running_trace = [], [], []
+    free = slots
+    while waiting or active:
+        for entry in active:  # a decode step computes each sample's previous token
+            entry[1] += entry[3]
+            entry[2] -= 1
+        while waiting and len(active) < max_num_seqs and reservation(waiting[0]) <= free:
+            request = waiting.popleft()
+            free -= reservation(request)
+            # The prefill step computes the prompt and samples the first token of each sample.
+            active.append([reservation(request), len(request.prompt_token_ids), request.max_tokens - 1, request.n])
+        if not active:
+            raise ValueError(f"{scheme}: a request needs {reservation(waiting[0])} slots, the pool has {slots}")
+        free += sum(e[0] for e in active if e[2] == 0)
+        active = [e for e in active if e[2] > 0]
+        reserved_trace.append(slots - free)
+        held_trace.append(sum(e[1] for e in active))
+        running_trace.append(len(active))
+    return Trace(scheme, reserved_trace, held_trace, running_trace)
+
+
+def _plot(ax: Any, traces: list[Trace], capacity: int) -> None:
+    colors = ("tab:blue", "tab:red", "tab:orange")
+    for trace, color in zip(traces, colors):
+        ax.plot(trace.reserved, color=color, label=f"{trace.scheme}: slots reserved")
+        ax.plot(trace.held, color=color, linestyle="--", label=f"{trace.scheme}: tokens held")
+    ax.axhline(capacity, color="black", linewidth=0.8, label="KV pool")
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("KV token slots")
+    ax.set_title("KV usage over time, same workload and pool")
+    ax.legend(fontsize=7, loc="center right", framealpha=0.9)
