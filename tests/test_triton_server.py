@@ -61,7 +61,8 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         (repository / name / "1").mkdir(parents=True)
         (repository / name / "config.pbtxt").write_text(config)
         (repository / name / "1" / "model.json").write_text(engine_args)
-    with TritonServer(repository, extra_args=["--exit-timeout-secs=20"]) as running:
+    log = tmp_path_factory.mktemp("tritonserver") / "tritonserver.log"
+    with TritonServer(repository, log_path=log, extra_args=["--exit-timeout-secs=20"]) as running:
         yield running
         print(running.log_tail(3000))
 
