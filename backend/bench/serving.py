@@ -1,0 +1,154 @@
+"""Serving path: a real tritonserver + pagedllm backend under the load client, vs in-process generate.
+
+Starts ``tritonserver`` (the pytriton wheel's) with the pagedllm backend on
+free ports, serving the tiny checkpoint with the same engine settings as the
+in-process run. For each concurrency, ``client_examples/load_client.py``
+keeps that many gRPC streams in flight (closed loop) and reports TTFT and
+inter-token latency percentiles and output tokens/s. The in-process row
+replays the very same prompts and ``max_tokens`` through ``LLM.generate``
+with ``max_num_seqs`` = the concurrency, so "serving / in-process" is what
+the Triton path (gRPC, streaming one response per token, the engine thread)
+costs at that load. Both sides use the same torch thread count.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from pagedllm.bench import report
+from pagedllm.bench.models import bench_model
+
+MODEL_NAME = "llm"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONFIG_PBTXT = REPO_ROOT / "model_repository" / MODEL_NAME / "config.pbtxt"
+LOAD_CLIENT = REPO_ROOT / "client_examples" / "load_client.py"
+THROUGHPUT_TARGET = 0.9  # serving >= 90% of in-process tokens/s at the highest concurrency
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--concurrency", default="1,8,32,64", help="comma-separated closed-loop client counts")
+    parser.add_argument("--requests-per-client", type=int, default=2, help="requests = max(16, this x concurrency)")
+    parser.add_argument("--prompt-words", type=int, default=32)
+    parser.add_argument("--output-tokens", type=int, default=64, help="mean max_tokens (uniform +-50%%)")
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--tiny", action="store_true", help="concurrency 1 and 4, a few short requests (for tests)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--load-client", type=Path, default=LOAD_CLIENT)
+    parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT)
+
+
+def run(args: argparse.Namespace) -> None:
+    from pagedllm.serving.server import TritonServer
+
+    report.set_threads(args.threads)
+    client = load_client_module(args.load_client)
+    levels = [1, 4] if args.tiny else [int(c) for c in args.concurrency.split(",")]
+    words, tokens = (8, 8) if args.tiny else (args.prompt_words, args.output_tokens)
+    engine_args = {"model": str(bench_model("tiny")), "dtype": "float32", "device": "cpu", "block_size": 16,
+                   "max_model_len": args.max_model_len, "max_num_seqs": max(levels), "seed": args.seed}
+    info = report.machine()
+    print(report.header("pagedllm bench serving", info))
+    rows = []
+    scratch = tempfile.TemporaryDirectory(prefix="pagedllm-bench-serving-")
+    repository = write_model_repository(Path(scratch.name), engine_args)
+    # The backend stub inherits this environment: pin its torch threads like the in-process run's.
+    env = {"OMP_NUM_THREADS": str(args.threads)}
+    with scratch, TritonServer(repository, env=env, extra_args=["--exit-timeout-secs=20"]) as server:
+        for level in levels:
+            count = 4 * level if args.tiny else max(16, args.requests_per_client * level)
+            load = client.run_load(server.grpc_url, MODEL_NAME, concurrency=level, num_requests=count,
+                                   prompt_words=words, prompt_dist="uniform", output_tokens=tokens,
+                                   output_dist="uniform", seed=args.seed + level)
+            summary = load.summary()
+            if summary["errors"]:
+                first = next(r.error for r in load.records if r.error)
+                raise RuntimeError(f"{summary['errors']} of {count} requests failed at concurrency {level}: {first}")
+            prompts, max_tokens = same_requests(client, count, words, tokens, args.seed + level)
+            if [r.max_tokens for r in load.records] != max_tokens:
+                raise RuntimeError("the in-process replay drew different requests than the load client")
+            offline = in_process(engine_args, prompts, max_tokens, level, args.seed + level)
+            rows.append({**summary, "in_process_s": offline["seconds"],
+                         "in_process_tokens_per_s": offline["tokens_per_s"],
+                         "serving_over_in_process": summary["output_tokens_per_s"] / offline["tokens_per_s"]})
+    print(f"## tiny model, prompts ~{words} words, max_tokens ~{tokens} (uniform ±50%, ignore_eos), greedy\n")
+    print(report.markdown_table(
+        ("concurrency", "requests", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms", "serving tok/s",
+         "in-process tok/s", "serving / in-process"),
+        [[r["concurrency"], r["requests"], _ms(r["ttft_s"]), _ms(r["itl_s"]), r["output_tokens_per_s"],
+          r["in_process_tokens_per_s"], f"{100 * r['serving_over_in_process']:.0f}%"] for r in rows]))
+    top = rows[-1]
+    met = top["serving_over_in_process"] >= THROUGHPUT_TARGET
+    print(f"- target: serving >= {100 * THROUGHPUT_TARGET:.0f}% of in-process at concurrency {top['concurrency']}: "
+          f"{100 * top['serving_over_in_process']:.0f}% ({'met' if met else 'MISSED'})")
+    report.write_json(args.out / "serving.json", {"machine": info, "engine_args": engine_args, "rows": rows})
+    report.save_plot(args.out / "serving.png", lambda ax: _plot(ax, rows))
+    print(f"\nwrote {args.out / 'serving.json'} and {args.out / 'serving.png'}")
+
+
+def load_client_module(path: Path) -> ModuleType:
+    """``client_examples/load_client.py`` is a script folder, not a package: load it from its path."""
+    if not path.is_file():
+        raise ValueError(f"--load-client={path} does not exist (it ships in the repository's client_examples/)")
+    spec = importlib.util.spec_from_file_location("pagedllm_load_client", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"--load-client={path} is not an importable Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while being built
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_model_repository(folder: Path, engine_args: dict[str, Any]) -> Path:
+    version = folder / MODEL_NAME / "1"
+    version.mkdir(parents=True, exist_ok=True)
+    (folder / MODEL_NAME / "config.pbtxt").write_text(CONFIG_PBTXT.read_text())
+    (version / "model.json").write_text(json.dumps(engine_args))
+    return folder.resolve()
+
+
+def same_requests(client: ModuleType, count: int, words: int, tokens: int, seed: int) -> tuple[list[str], list[int]]:
+    """The prompts and max_tokens ``run_load`` draws for these arguments (same calls, same order)."""
+    rng = random.Random(seed)
+    prompt_lengths = client.sample_lengths("uniform", words, count, rng)
+    output_lengths = client.sample_lengths("uniform", tokens, count, rng)
+    return [client.make_prompt(n, rng) for n in prompt_lengths], output_lengths
+
+
+def in_process(engine_args: dict[str, Any], prompts: list[str], max_tokens: list[int], concurrency: int,
+               seed: int) -> dict[str, float]:
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(**{**engine_args, "max_num_seqs": concurrency})
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, seed=seed + i)
+              for i, m in enumerate(max_tokens)]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))
+    llm.engine.kv.reset_prefix_cache()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.token_ids) for out in outputs for o in out.outputs)
+    return {"seconds": seconds, "tokens_per_s": produced / seconds}
+
+
+def _ms(stats: dict[str, float | None]) -> str:
+    return "/".join("–" if stats[q] is None else f"{1000 * stats[q]:.1f}" for q in ("p50", "p90", "p99"))
+
+
+def _plot(ax: Any, rows: list[dict[str, Any]]) -> None:
+    levels = [r["concurrency"] for r in rows]
+    ax.plot(levels, [r["output_tokens_per_s"] for r in rows], marker="o", label="serving (tritonserver, gRPC stream)")
+    ax.plot(levels, [r["in_process_tokens_per_s"] for r in rows], marker="s", label="in-process LLM.generate")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("Serving vs in-process throughput, tiny model")
+    ax.legend()
