@@ -13,6 +13,7 @@ field. This is the only module that imports ``triton_python_backend_utils``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import uuid
@@ -66,6 +67,9 @@ class TritonPythonModel:
             raise ValueError("model_transaction_policy.decoupled must be true for the pagedllm backend")
         version_dir = os.path.join(args["model_repository"], args["model_version"])
         engine_config = load_engine_config(version_dir)
+        if args.get("model_instance_kind") == "GPU" and engine_config.device == "auto":
+            # KIND_GPU instances are placed by Triton: use the GPU it assigned to this instance.
+            engine_config = dataclasses.replace(engine_config, device=f"cuda:{args['model_instance_device_id']}")
         self._logger.log_info(f"[pagedllm] starting engine with {engine_config}")
         self._engine = LLMEngine(engine_config)
         self._metrics = self._create_metrics({"model": args["model_name"], "version": args["model_version"]})
