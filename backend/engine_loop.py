@@ -170,7 +170,8 @@ class EngineLoop:
         self._publish_stats([])
         while True:
             with self._wakeup:
-                while not (self._stopping or self._submissions or self._aborts or self.engine.has_unfinished_requests()):
+                while not (self._stopping or self._submissions or self._aborts
+                           or self.engine.has_unfinished_requests()):
                     self._wakeup.wait()
                 if self._stopping:
                     break

@@ -165,10 +165,8 @@ class TritonPythonModel:
             if tensors is None:
                 sender.send(flags=flags)
             else:
-                response = pb_utils.InferenceResponse(
-                    output_tensors=[pb_utils.Tensor(name, np.ascontiguousarray(value)) for name, value in tensors.items()]
-                )
-                sender.send(response, flags=flags)
+                outputs = [pb_utils.Tensor(name, np.ascontiguousarray(value)) for name, value in tensors.items()]
+                sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
         except Exception as error:  # the client may be gone; cancellation polling ends the request
             self._logger.log_verbose(f"[pagedllm] could not send a response: {error}")
 

@@ -220,7 +220,8 @@ def main() -> int:
     for key, label, scale in (("ttft_s", "time to first token (ms)", 1e3), ("itl_s", "inter-token latency (ms)", 1e3),
                               ("per_request_output_tokens_per_s", "per-request output tok/s", 1.0)):
         row = summary[key]
-        cells = "".join(f"{'-' if row[q] is None else f'{row[q] * scale:.2f}':>10}" for q in ("p50", "p90", "p99", "mean"))
+        cells = "".join(f"{'-' if row[q] is None else f'{row[q] * scale:.2f}':>10}"
+                        for q in ("p50", "p90", "p99", "mean"))
         print(f"{label:<34}{cells}")
     for record in report.records:
         if record.error:

@@ -47,7 +47,7 @@ class FakeFamily:
         self.name, self.kind = name, kind
         self.metrics: list[FakeMetric] = []
 
-    def Metric(self, labels: dict[str, str], buckets: list[float] | None = None) -> FakeMetric:  # noqa: N802 - Triton's name
+    def Metric(self, labels: dict[str, str], buckets: list[float] | None = None) -> FakeMetric:  # noqa: N802
         metric = FakeMetric(self.kind, labels, buckets)
         self.metrics.append(metric)
         return metric

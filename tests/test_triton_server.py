@@ -6,7 +6,6 @@ One server per module, on free ports. Every result is compared with the offline
 from __future__ import annotations
 
 import json
-import queue
 import re
 import threading
 import time

@@ -105,5 +105,6 @@ def install_backend_main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(f"installed {path}\nuse `backend: \"pagedllm\"` in config.pbtxt; engine arguments go in <model>/<version>/model.json")
+    print(f"installed {path}\nuse `backend: \"pagedllm\"` in config.pbtxt; "
+          "engine arguments go in <model>/<version>/model.json")
     return 0

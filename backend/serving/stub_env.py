@@ -79,9 +79,9 @@ def _build(env: Path, site_dirs: list[str]) -> None:
     base_python = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
     for name in ("python", "python3", f"python{major}.{minor}"):
         (bin_dir / name).symlink_to(base_python)
+    version = ".".join(map(str, sys.version_info[:3]))
     (env / "pyvenv.cfg").write_text(
-        f"home = {base_python.parent}\ninclude-system-site-packages = false\nversion = {major}.{minor}.{sys.version_info[2]}\n"
-    )
+        f"home = {base_python.parent}\ninclude-system-site-packages = false\nversion = {version}\n")
     if stub_needs_numpy1():
         _install_numpy1(site_packages)
     # A .pth line that starts with "import" is executed by site.py: this appends the launching
@@ -98,12 +98,12 @@ def _install_numpy1(site_packages: Path) -> None:
                 link = site_packages / entry.name
                 link.symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
         return
-    print(f"pagedllm: installing {NUMPY_FOR_STUB} for the Triton backend stub into {site_packages.parent.parent.parent} "
-          f"(once; set {_NUMPY_DIR_ENV} to use a prepared folder instead)", file=sys.stderr)
-    result = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site_packages), NUMPY_FOR_STUB],
-        capture_output=True, text=True, check=False,
-    )
+    print(f"pagedllm: installing {NUMPY_FOR_STUB} for the Triton backend stub into "
+          f"{site_packages.parent.parent.parent} (once; set {_NUMPY_DIR_ENV} to use a prepared folder instead)",
+          file=sys.stderr)
+    command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site_packages),
+               NUMPY_FOR_STUB]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(
             f"could not install {NUMPY_FOR_STUB} for the Triton backend stub (the stub corrupts string "
