@@ -14,16 +14,20 @@ from pathlib import Path
 
 from pagedllm.tiny_model import SIZES, make_tiny_model
 
-DEFAULT_CACHE = Path(os.environ.get("PAGEDLLM_BENCH_CACHE", Path.home() / ".cache" / "pagedllm" / "bench"))
+CACHE_ENV = "PAGEDLLM_BENCH_CACHE"  # where checkpoints are built; default ~/.cache/pagedllm/bench
 ARCH = "llama"
 SEED = 0
 
 
-def bench_model(size: str, cache_dir: Path = DEFAULT_CACHE) -> Path:
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pagedllm" / "bench")
+
+
+def bench_model(size: str) -> Path:
     """Directory of the ``size`` checkpoint, built on first use."""
     if size not in SIZES:
         raise ValueError(f"size={size!r} is invalid: expected one of {', '.join(SIZES)}")
-    target = Path(cache_dir) / f"{ARCH}-{size}-seed{SEED}"
+    target = cache_dir() / f"{ARCH}-{size}-seed{SEED}"
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -40,9 +44,3 @@ def bench_model(size: str, cache_dir: Path = DEFAULT_CACHE) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
     return target
 
-
-def vocab_size(size: str) -> int:
-    """Ids every workload for this model may use (the tokenizer can be a little smaller than the config says)."""
-    from transformers import AutoTokenizer
-
-    return len(AutoTokenizer.from_pretrained(bench_model(size)))

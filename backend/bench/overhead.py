@@ -71,10 +71,11 @@ def run(args: argparse.Namespace) -> None:
 
 def null_model_step(n: int, prompt_len: int, steps: int, block_size: int, runner: Any) -> dict[str, float]:
     """Median ms per decode step of schedule / bookkeeping / prepare with ``n`` running requests."""
-    blocks_per_seq = -(-(prompt_len + steps + 2) // block_size)
-    engine = NullEngine(n * blocks_per_seq + 1, block_size, max_num_seqs=n, max_num_batched_tokens=max(2048, n))
+    max_tokens = _max_tokens(n, prompt_len, steps)
+    blocks_per_seq = -(-(prompt_len + max_tokens) // block_size)
+    engine = NullEngine(n * blocks_per_seq + 1, block_size, max_num_seqs=n, max_num_batched_tokens=_budget(n))
     rng = np.random.default_rng(n)
-    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for _ in range(n):
         engine.add_request([int(t) for t in rng.integers(1, 2048, prompt_len)], params)
     scheduler = engine.scheduler
@@ -101,12 +102,13 @@ def engine_step_ms(n: int, prompt_len: int, steps: int, block_size: int) -> floa
     """Median wall ms of one real ``LLMEngine.step()`` of the tiny model decoding ``n`` requests."""
     from pagedllm import LLM
 
-    blocks = n * -(-(prompt_len + steps + 4) // block_size) + 1
+    max_tokens = _max_tokens(n, prompt_len, steps)
+    blocks = n * -(-(prompt_len + max_tokens) // block_size) + 1
     llm = LLM(model=str(bench_model("tiny")), dtype="float32", block_size=block_size, num_kv_blocks=blocks,
-              max_num_seqs=n, max_num_batched_tokens=max(2048, n))
+              max_num_seqs=n, max_num_batched_tokens=_budget(n), max_model_len=prompt_len + max_tokens)
     engine = llm.engine
     rng = np.random.default_rng(n)
-    params = SamplingParams(max_tokens=steps + 4, ignore_eos=True, temperature=0.0)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     for i in range(n):
         engine.add_request(str(i), [int(t) for t in rng.integers(1, 2048, prompt_len)], params)
     while any(seq.num_output_tokens == 0 for seq in [*engine.scheduler.running, *engine.scheduler.waiting]):
@@ -117,6 +119,17 @@ def engine_step_ms(n: int, prompt_len: int, steps: int, block_size: int) -> floa
         engine.step()
         times.append(1000 * (time.perf_counter() - start))
     return statistics.median(times)
+
+
+def _budget(n: int) -> int:
+    return max(2048, n)
+
+
+def _max_tokens(n: int, prompt_len: int, steps: int) -> int:
+    """Enough that nobody finishes during the timed steps: early requests decode while later ones prefill."""
+    # Decodes share the step budget with the prefills, so prefilling everyone takes at most this many steps.
+    prefill_steps = -(-n * prompt_len // max(_budget(n) - n, 1))
+    return steps + prefill_steps + 8
 
 
 def _null_runner(block_size: int) -> Any:

@@ -1,0 +1,215 @@
+"""The CPU benchmarks at tiny sizes, so they cannot rot; no timing is asserted.
+
+Workloads are checked for determinism, shape and JSON round trips; each
+``pagedllm bench`` module runs end to end at ``--tiny`` and its JSON is checked
+for what the README tables need. The memory bench's null-model engine is
+checked against the real engine step for step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from pagedllm.bench import memory, overhead, throughput
+from pagedllm.bench.engines import ENGINES, RunResult, agreement
+from pagedllm.bench.workloads import KINDS, Workload, long_tail_lengths, make_workload
+
+
+@pytest.fixture(autouse=True)
+def bench_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Benchmark checkpoints go to one folder per test session, never to the user's cache."""
+    monkeypatch.setenv("PAGEDLLM_BENCH_CACHE", str(tmp_path_factory.getbasetemp() / "bench-cache"))
+
+
+def _args(module: ModuleType, *argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_workloads_are_seeded_and_round_trip_through_json(kind: str, tmp_path: Path) -> None:
+    first = make_workload(kind, "full", seed=3)
+    assert make_workload(kind, "full", seed=3) == first
+    assert make_workload(kind, "full", seed=4) != first
+    loaded = Workload.load(first.save(tmp_path / first.file_name))
+    assert loaded == first
+    assert loaded.fingerprint() == first.fingerprint() != make_workload(kind, "full", seed=4).fingerprint()
+    assert all(0 < t < first.vocab_size for r in first.requests for t in r.prompt_token_ids)
+
+
+def test_long_tail_has_the_issue_shape() -> None:
+    workload = make_workload("long-tail", "full")
+    prompts = [len(r.prompt_token_ids) for r in workload.requests]
+    outputs = [r.max_tokens for r in workload.requests]
+    assert len(workload.requests) == 256
+    assert min(prompts) >= 32 and max(prompts) <= 512
+    assert min(outputs) >= 16 and max(outputs) == 512
+    # Long-tailed: most requests are short, a few run to the maximum.
+    assert statistics.median(outputs) < 64 < statistics.mean(outputs)
+    assert 0 < outputs.count(512) < len(outputs) // 10
+    assert all(r.temperature == 0 and r.n == 1 for r in workload.requests)
+
+
+def test_long_tail_lengths_stay_in_bounds() -> None:
+    import numpy as np
+
+    lengths = long_tail_lengths(np.random.default_rng(0), 10_000, 16, 512)
+    assert lengths.min() == 16 and lengths.max() == 512
+
+
+def test_shared_prefix_requests_repeat_their_system_prompt_and_history() -> None:
+    workload = make_workload("shared-prefix", "full")
+    requests = workload.requests
+    assert len(requests) == 128
+    conversations = 32
+    for c in range(conversations):
+        turns = [requests[t * conversations + c].prompt_token_ids for t in range(4)]
+        for earlier, later in zip(turns, turns[1:]):
+            assert later[: len(earlier)] == earlier and len(later) > len(earlier)
+    system_prompts = {r.prompt_token_ids[:384] for r in requests}
+    assert len(system_prompts) == 4
+
+
+def test_parallel_sampling_asks_for_four_seeded_samples_each() -> None:
+    workload = make_workload("parallel-sampling", "full")
+    assert len(workload.requests) == 32
+    assert {r.n for r in workload.requests} == {4}
+    assert all(r.temperature > 0 and r.seed is not None for r in workload.requests)
+    assert workload.num_output_tokens == 4 * sum(r.max_tokens for r in workload.requests)
+
+
+@pytest.mark.parametrize(("kind", "scale"), [("chat", "full"), ("long-tail", "huge")])
+def test_bad_workload_arguments_name_the_field(kind: str, scale: str) -> None:
+    with pytest.raises(ValueError, match="kind" if kind == "chat" else "scale"):
+        make_workload(kind, scale)
+
+
+def test_throughput_tiny_run_has_every_engine_and_ratios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    throughput.run(_args(throughput, "--tiny", "--models", "tiny", "--out", str(tmp_path)))
+    printed = capsys.readouterr().out
+    data = json.loads((tmp_path / "throughput.json").read_text())
+    assert [c["workload"] for c in data["cases"]] == list(KINDS)
+    for case in data["cases"]:
+        rows = {row["engine"]: row for row in case["rows"]}
+        assert list(rows) == list(ENGINES)
+        assert rows["pagedllm-continuous"]["continuous_speedup"] == 1.0
+        assert all(row["continuous_speedup"] > 0 and row["tokens_per_s"] > 0 for row in rows.values())
+        assert all(row["output_tokens"] == case["output_tokens"] for row in rows.values())
+        # Padded static batches decode rows past a request's own max_tokens; the others decode exactly that.
+        assert rows["hf-generate"]["computed_tokens"] >= case["output_tokens"]
+        assert rows["pagedllm-static"]["computed_tokens"] == case["output_tokens"]
+    long_tail = {row["engine"]: row for row in data["cases"][0]["rows"]}
+    # Same engine, same kernels, other schedule: greedy tokens must not change.
+    assert long_tail["pagedllm-static"]["agreement"]["identical"] == long_tail["pagedllm-static"]["agreement"]["compared"]
+    assert long_tail["hf-continuous"]["agreement"]["compared"] == 8
+    assert "| pagedllm-static |" in printed and "## Targets (long-tail)" in printed
+    assert (tmp_path / "throughput.png").stat().st_size > 0
+    assert (tmp_path / "workloads" / "long-tail-tiny.json").is_file()
+
+
+def test_vllm_rows_merge_only_for_the_identical_workload(tmp_path: Path) -> None:
+    workload = make_workload("long-tail", "tiny")
+    case = throughput.Case("tiny", workload)
+    run = RunResult("vllm-cpu", 2.0, workload.num_output_tokens, workload.num_output_tokens, {0: [1, 2]})
+    path = tmp_path / "vllm-cpu-tiny-long-tail-tiny.json"
+    path.write_text(json.dumps({"fingerprint": workload.fingerprint(), "runs": [run.to_json()]}))
+    assert throughput.load_vllm(tmp_path, case) == [run]
+    path.write_text(json.dumps({"fingerprint": make_workload("long-tail", "tiny", seed=1).fingerprint(),
+                                "runs": [run.to_json()]}))
+    assert throughput.load_vllm(tmp_path, case) is None
+    assert throughput.load_vllm(tmp_path / "missing", case) is None
+
+
+def test_agreement_counts_tokens_before_the_first_divergence() -> None:
+    reference = RunResult("a", 1.0, 8, 8, {0: [1, 2, 3, 4], 1: [5, 6, 7, 8]})
+    other = RunResult("b", 1.0, 8, 8, {0: [1, 2, 3, 4], 1: [5, 9, 7, 8]})
+    assert agreement(reference, other) == (1, 2, 5 / 8)
+    assert agreement(reference, RunResult("c", 1.0, 8, 8, {})) is None
+
+
+def test_throughput_rejects_a_run_without_the_baseline(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--engines"):
+        throughput.run(_args(throughput, "--tiny", "--engines", "pagedllm-static", "--out", str(tmp_path)))
+
+
+def test_memory_paged_wastes_less_and_fits_more_than_max_length_reservation(tmp_path: Path) -> None:
+    memory.run(_args(memory, "--tiny", "--out", str(tmp_path)))
+    data = json.loads((tmp_path / "memory.json").read_text())
+    rows = {row["scheme"]: row for row in data["rows"]}
+    paged, max_len = rows["paged"], rows["max-length reservation"]
+    exact = rows["prompt+max_tokens reservation"]
+    assert paged["waste_at_peak"] < max_len["waste_at_peak"]
+    assert paged["mean_waste"] < exact["mean_waste"] < max_len["mean_waste"]
+    assert paged["peak_concurrent"] > max_len["peak_concurrent"]
+    assert all(row["peak_reserved_slots"] <= data["kv_slots"] for row in rows.values())
+    assert (tmp_path / "memory.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_null_engine_occupancy_matches_the_real_engine_step_for_step(kind: str) -> None:
+    workload = make_workload(kind, "tiny")
+    null, _ = memory.measure_paged(workload, 256, 16, 8, 128)
+    real, _ = memory.measure_paged(workload, 256, 16, 8, 128, with_model=True)
+    assert null == real
+    assert max(null.reserved) > 0 and null.reserved[-1] == 0
+
+
+def test_reservation_simulation_never_exceeds_the_pool_and_serves_everyone() -> None:
+    workload = make_workload("long-tail", "tiny")
+    trace = memory.simulate_reservation("exact", workload, 128, 4, lambda r: len(r.prompt_token_ids) + r.max_tokens)
+    assert max(trace.reserved) <= 128 and trace.reserved[-1] == 0
+    assert len(trace.reserved) >= max(r.max_tokens for r in workload.requests)
+    with pytest.raises(ValueError, match="needs 200 slots"):
+        memory.simulate_reservation("too big", workload, 128, 4, lambda r: 200)
+
+
+def test_overhead_tiny_run_times_every_part(tmp_path: Path) -> None:
+    overhead.run(_args(overhead, "--tiny", "--out", str(tmp_path)))
+    rows = json.loads((tmp_path / "overhead.json").read_text())["rows"]
+    assert [row["running"] for row in rows] == [4, 16]
+    for row in rows:
+        assert row["schedule_ms"] > 0 and row["prepare_ms"] > 0 and row["update_ms"] > 0
+        assert row["control_ms"] == pytest.approx(row["schedule_ms"] + row["update_ms"] + row["prepare_ms"])
+        assert row["engine_step_ms"] > 0
+
+
+def _has_tritonserver() -> bool:
+    try:
+        from pagedllm.serving.triton_files import find_triton_files
+
+        find_triton_files()
+    except (ImportError, FileNotFoundError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_tritonserver(), reason="nvidia-pytriton wheel (tritonserver) not installed")
+def test_serving_tiny_run_reports_latency_and_the_in_process_ratio(tmp_path: Path) -> None:
+    pytest.importorskip("tritonclient.grpc")
+    from pagedllm.bench import serving
+
+    serving.run(_args(serving, "--tiny", "--out", str(tmp_path)))
+    rows = json.loads((tmp_path / "serving.json").read_text())["rows"]
+    assert [row["concurrency"] for row in rows] == [1, 4]
+    for row in rows:
+        assert row["errors"] == 0
+        assert row["output_tokens"] > 0 and row["in_process_tokens_per_s"] > 0
+        assert row["ttft_s"]["p50"] > 0 and row["itl_s"]["p99"] >= row["itl_s"]["p50"]
+        assert row["serving_over_in_process"] > 0
+
+
+def test_bench_all_keeps_every_table_in_one_markdown_file(tmp_path: Path) -> None:
+    from pagedllm.bench import all as bench_all
+
+    bench_all.run(_args(bench_all, "--tiny", "--only", "memory,overhead", "--out", str(tmp_path)))
+    text = (tmp_path / "bench-all.md").read_text()
+    assert "# pagedllm bench memory" in text and "# pagedllm bench overhead" in text
+    assert "| paged |" in text and "## Wall time" in text
+    with pytest.raises(ValueError, match="--only"):
+        bench_all.run(_args(bench_all, "--only", "kernels", "--out", str(tmp_path)))
