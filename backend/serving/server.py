@@ -1,11 +1,13 @@
 """Run the pytriton wheel's tritonserver with the ``pagedllm`` backend, from tests, benchmarks or the CLI."""
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -19,6 +21,19 @@ from pagedllm.serving.backend_dir import assemble_backend_dir
 from pagedllm.serving.stub_env import stub_env_dir
 from pagedllm.serving.triton_files import find_triton_files, interpreter_library_dir
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: on Linux, get SIGTERM when the launching thread dies.
+
+    The server runs in its own session (so a terminal's Ctrl-C reaches only the launcher,
+    which then stops it cleanly); this keeps a killed launcher from leaving it orphaned.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
 
 def free_port() -> int:
     """A TCP port that was free a moment ago (the OS picks it)."""
@@ -31,8 +46,9 @@ class TritonServer:
     """A tritonserver process serving ``model_repository`` with the ``pagedllm`` backend.
 
     Ports left as ``None`` are picked free. ``log_path=None`` writes the server log to
-    a file in the server's scratch folder (``log_path`` afterwards says where);
-    ``log_path="-"`` lets it share this process's stdout/stderr.
+    a file in the server's scratch folder, removed with it by ``stop()`` (read it before
+    with ``log_tail()``, or pass a path to keep it); ``log_path="-"`` lets the server
+    share this process's stdout/stderr. Failing to start raises with the log's tail.
     """
 
     def __init__(
@@ -125,7 +141,7 @@ class TritonServer:
             output = self._log_file
         self._process = subprocess.Popen(
             self.command(backend_dir), env=self.environment(), stdout=output, stderr=subprocess.STDOUT,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=_die_with_parent,
         )
         try:
             self._wait_ready(self._process)
@@ -156,8 +172,10 @@ class TritonServer:
         raise RuntimeError(f"tritonserver not ready after {self._startup_timeout_s:.0f} s\n{self.log_tail()}")
 
     def log_tail(self, max_chars: int = 6000) -> str:
+        if self._log_target == "-":
+            return "(the server log went to the console)"
         if self.log_path is None or not self.log_path.exists():
-            return "(server log went to the console)"
+            return "(no server log: the server was stopped and its scratch folder removed)"
         return self.log_path.read_text(errors="replace")[-max_chars:]
 
     def wait(self) -> int:
@@ -180,10 +198,10 @@ class TritonServer:
             self._log_file.close()
             self._log_file = None
         if self._scratch is not None:
-            # A log written into the scratch folder outlives the server for post-mortems.
-            keep_log = self.log_path is not None and self.log_path.parent == self._scratch
-            shutil.rmtree(self._scratch / "backends" if keep_log else self._scratch, ignore_errors=True)
+            shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
+            if self.log_path is not None and not self.log_path.exists():
+                self.log_path = None
 
     def __enter__(self) -> TritonServer:
         return self.start()

@@ -1,0 +1,70 @@
+"""``pagedllm serve`` as the README runs it, with the gRPC client example, then Ctrl-C."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.serving.server import free_port
+from pagedllm.serving.triton_files import find_triton_files
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _has_tritonserver() -> bool:
+    try:
+        find_triton_files()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_tritonserver(), reason="nvidia-pytriton wheel (tritonserver) not installed")
+def test_serve_then_grpc_client_example_then_ctrl_c(tiny_model_dir, tmp_path: Path) -> None:
+    model = tiny_model_dir("llama")
+    version = tmp_path / "repo" / "llm" / "1"
+    version.mkdir(parents=True)
+    (tmp_path / "repo" / "llm" / "config.pbtxt").write_text(
+        (REPO_ROOT / "model_repository" / "llm" / "config.pbtxt").read_text())
+    (version / "model.json").write_text(json.dumps({"model": str(model), "dtype": "float32", "device": "cpu",
+                                                    "num_kv_blocks": 32, "max_model_len": 128}))
+    grpc, http, metrics = free_port(), free_port(), free_port()
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.cli", "serve", "--model-repository", str(tmp_path / "repo"),
+         "--grpc-port", str(grpc), "--http-port", str(http), "--metrics-port", str(metrics), "--host", "127.0.0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(iter(serve.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not any("Ctrl-C stops the server" in line for line in output):
+            assert serve.poll() is None and time.monotonic() < deadline, "".join(output[-40:])
+            time.sleep(0.2)
+        assert any(f"gRPC     127.0.0.1:{grpc}" in line for line in output)
+        client = subprocess.run(
+            [sys.executable, str(REPO_ROOT / "client_examples" / "grpc_stream_client.py"), "def fibonacci(n):",
+             "--url", f"127.0.0.1:{grpc}", "--max-tokens", "12"],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert client.returncode == 0, client.stderr
+        expected = LLM(model=str(model), dtype="float32", device="cpu").generate(
+            ["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
+        assert client.stdout.rstrip("\n") == "def fibonacci(n):" + expected.rstrip("\n")
+        assert "12 tokens" in client.stderr
+        serve.send_signal(signal.SIGINT)
+        assert serve.wait(timeout=120) == 0, "".join(output[-40:])
+        reader.join(10)
+        assert any("stopping tritonserver" in line for line in output)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
