@@ -55,6 +55,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._static_batch_formed = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -96,17 +97,21 @@ class Scheduler:
                 scheduled.append(ScheduledSequence(seq, num_tokens))
                 budget -= num_tokens
 
-        if not preempted and not self._batch_closed():
+        if not self.running:
+            self._static_batch_formed = False
+        if not preempted and not (self.static_batching and self._static_batch_formed):
             budget = self._admit_waiting(budget, scheduled)
 
         return SchedulerOutput(tuple(scheduled), tuple(self.kv.take_pending_copies()), tuple(preempted))
 
-    def _batch_closed(self) -> bool:
-        """Static batching admits nobody once the current batch has started decoding."""
-        return self.static_batching and any(s.num_output_tokens > 0 for s in self.running)
-
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> int:
-        while self.waiting and budget > 0:
+        # A static batch, once formed, admits nobody until all of it has finished; it
+        # keeps forming across steps while only the token budget holds it back.
+        self._static_batch_formed = True
+        while self.waiting:
+            if budget == 0:
+                self._static_batch_formed = False
+                break
             seq = self.waiting[0]
             slots = seq.request.params.n if seq.needs_fork else 1
             if len(self.running) + slots > self.max_num_seqs:

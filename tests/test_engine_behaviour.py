@@ -204,3 +204,24 @@ def test_bad_engine_arguments_name_the_key(tiny_model_dir: Callable[[str], Path]
         LLM(model=str(tiny_model_dir("llama")), block_size=12)
     with pytest.raises(ValueError, match="not a Hugging Face checkpoint"):
         LLM(model="/nonexistent/model")
+
+
+def test_static_batching_admits_the_next_batch_only_when_one_finishes(tiny_model_dir: Callable[[str], Path]) -> None:
+    static = LLM(model=str(tiny_model_dir("llama")), dtype="float32", scheduling="static", max_num_seqs=2)
+    engine = static.engine
+    lengths = {"a": 3, "b": 9, "c": 2}
+    for request_id, max_tokens in lengths.items():
+        engine.add_request(request_id, token_prompt(ord(request_id), 20),
+                           SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    finished: list[str] = []
+    while engine.has_unfinished_requests():
+        running = {seq.request.request_id for seq in engine.scheduler.running}
+        assert "c" not in running or {"a", "b"} <= set(finished), "c joined a batch that had not finished"
+        finished += [out.request_id for out in engine.step() if out.finished]
+    assert finished == ["a", "b", "c"]
+    continuous = LLM(model=str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=2)
+    prompts = [{"prompt_token_ids": token_prompt(ord(r), 20)} for r in lengths]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in lengths.values()]
+    assert [o.outputs[0].token_ids for o in static.generate(prompts, params)] == [
+        o.outputs[0].token_ids for o in continuous.generate(prompts, params)
+    ]
