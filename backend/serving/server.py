@@ -22,17 +22,18 @@ from pagedllm.serving.stub_env import stub_env_dir
 from pagedllm.serving.triton_files import find_triton_files, interpreter_library_dir
 
 _PR_SET_PDEATHSIG = 1
+# Resolved here, not in the forked child: dlopen there could deadlock on a lock another thread held.
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: on Linux, get SIGTERM when the launching thread dies.
+    """In the child before exec: get SIGTERM when the launching thread dies (Linux).
 
     The server runs in its own session (so a terminal's Ctrl-C reaches only the launcher,
     which then stops it cleanly); this keeps a killed launcher from leaving it orphaned.
     """
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:
