@@ -11,6 +11,13 @@ BENCHES = ("kernels", "throughput", "memory", "overhead", "serving", "all")
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(load_benches=bool(argv) and argv[0] == "bench").parse_args(argv)
+    return int(args.handler(args) or 0)
+
+
+def build_parser(load_benches: bool) -> argparse.ArgumentParser:
+    """The benchmark modules import torch and transformers, so only ``bench`` loads them."""
     parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -36,17 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_install_backend_arguments(install)
     install.set_defaults(handler=serving.install_backend_main)
 
-    bench = commands.add_parser("bench", help="benchmarks: tables, JSON and plots")
-    benches = bench.add_subparsers(dest="bench", required=True)
-    for name in BENCHES:
-        module = importlib.import_module(f"pagedllm.bench.{name}")
-        sub = benches.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
-        module.add_arguments(sub)
-        sub.set_defaults(handler=module.run)
-
-    args = parser.parse_args(argv)
-    result = args.handler(args)
-    return int(result or 0)
+    bench = commands.add_parser("bench", help=f"benchmarks ({', '.join(BENCHES)}): tables, JSON and plots")
+    if load_benches:
+        benches = bench.add_subparsers(dest="bench", required=True)
+        for name in BENCHES:
+            module = importlib.import_module(f"pagedllm.bench.{name}")
+            sub = benches.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+            module.add_arguments(sub)
+            sub.set_defaults(handler=module.run)
+    return parser
 
 
 def _make_tiny_model(args: argparse.Namespace) -> None:
