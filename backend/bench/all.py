@@ -18,6 +18,7 @@ import io
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import TextIO
 
@@ -47,6 +48,7 @@ def run(args: argparse.Namespace) -> None:
         subprocess.run([str(VLLM_SCRIPT), "--out", str(args.out), *scale], check=True)
     captured = io.StringIO()
     timings = []
+    failed: list[str] = []
     for name in names:
         module = importlib.import_module(f"pagedllm.bench.{name}")
         parser = argparse.ArgumentParser(prog=f"pagedllm bench {name}")
@@ -54,7 +56,11 @@ def run(args: argparse.Namespace) -> None:
         argv = ["--out", str(args.out), "--threads", str(args.threads)] + (["--tiny"] if args.tiny else [])
         began = time.perf_counter()
         with contextlib.redirect_stdout(_Tee(sys.stdout, captured)):
-            module.run(parser.parse_args(argv))
+            try:
+                module.run(parser.parse_args(argv))
+            except Exception:  # one broken benchmark must not hide the others' tables
+                print(f"\n**`pagedllm bench {name}` failed:**\n\n```\n{traceback.format_exc()}```")
+                failed.append(name)
         timings.append((name, time.perf_counter() - began))
         captured.write("\n")
     total = time.perf_counter() - started
@@ -63,6 +69,8 @@ def run(args: argparse.Namespace) -> None:
     print("\n" + summary)
     (args.out / "bench-all.md").write_text(captured.getvalue() + summary)
     print(f"wrote {args.out / 'bench-all.md'}")
+    if failed:
+        raise RuntimeError(f"benchmarks failed: {', '.join(failed)} (tracebacks in {args.out / 'bench-all.md'})")
 
 
 class _Tee(io.TextIOBase):

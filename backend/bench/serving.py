@@ -57,41 +57,68 @@ def run(args: argparse.Namespace) -> None:
                    "max_model_len": args.max_model_len, "max_num_seqs": max(levels), "seed": args.seed}
     info = report.machine()
     print(report.header("pagedllm bench serving", info))
-    rows = []
+    rows: list[dict[str, Any]] = []
     scratch = tempfile.TemporaryDirectory(prefix="pagedllm-bench-serving-")
     repository = write_model_repository(Path(scratch.name), engine_args)
     # The backend stub inherits this environment: pin its torch threads like the in-process run's.
     env = {"OMP_NUM_THREADS": str(args.threads)}
+    log_tail = ""
     with scratch, TritonServer(repository, env=env, extra_args=["--exit-timeout-secs=20"]) as server:
         for level in levels:
             count = 4 * level if args.tiny else max(16, args.requests_per_client * level)
-            load = client.run_load(server.grpc_url, MODEL_NAME, concurrency=level, num_requests=count,
-                                   prompt_words=words, prompt_dist="uniform", output_tokens=tokens,
-                                   output_dist="uniform", seed=args.seed + level)
-            summary = load.summary()
-            if summary["errors"]:
-                first = next(r.error for r in load.records if r.error)
-                raise RuntimeError(f"{summary['errors']} of {count} requests failed at concurrency {level}: {first}")
-            prompts, max_tokens = same_requests(client, count, words, tokens, args.seed + level)
-            if [r.max_tokens for r in load.records] != max_tokens:
-                raise RuntimeError("the in-process replay drew different requests than the load client")
-            offline = in_process(engine_args, prompts, max_tokens, level, args.seed + level)
-            rows.append({**summary, "in_process_s": offline["seconds"],
-                         "in_process_tokens_per_s": offline["tokens_per_s"],
-                         "serving_over_in_process": summary["output_tokens_per_s"] / offline["tokens_per_s"]})
+            if not server.running:
+                rows.append({"concurrency": level, "requests": count, "failure": "not run: the server had exited"})
+                continue
+            rows.append(_measure(client, server.grpc_url, engine_args, level, count, words, tokens, args.seed + level))
+            if "failure" in rows[-1]:
+                log_tail = server.log_tail(6000)
     print(f"## tiny model, prompts ~{words} words, max_tokens ~{tokens} (uniform ±50%, ignore_eos), greedy\n")
     print(report.markdown_table(
         ("concurrency", "requests", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms", "serving tok/s",
          "in-process tok/s", "serving / in-process"),
-        [[r["concurrency"], r["requests"], _ms(r["ttft_s"]), _ms(r["itl_s"]), r["output_tokens_per_s"],
-          r["in_process_tokens_per_s"], f"{100 * r['serving_over_in_process']:.0f}%"] for r in rows]))
+        [_table_row(r) for r in rows]))
+    measured = [r for r in rows if "failure" not in r]
     top = rows[-1]
-    met = top["serving_over_in_process"] >= THROUGHPUT_TARGET
-    print(f"- target: serving >= {100 * THROUGHPUT_TARGET:.0f}% of in-process at concurrency {top['concurrency']}: "
-          f"{100 * top['serving_over_in_process']:.0f}% ({'met' if met else 'MISSED'})")
-    report.write_json(args.out / "serving.json", {"machine": info, "engine_args": engine_args, "rows": rows})
-    report.save_plot(args.out / "serving.png", lambda ax: _plot(ax, rows))
+    if "failure" in top:
+        print(f"- target: serving >= {100 * THROUGHPUT_TARGET:.0f}% of in-process at concurrency {top['concurrency']}: "
+              f"not measured ({top['failure']})")
+    else:
+        met = top["serving_over_in_process"] >= THROUGHPUT_TARGET
+        print(f"- target: serving >= {100 * THROUGHPUT_TARGET:.0f}% of in-process at concurrency "
+              f"{top['concurrency']}: {100 * top['serving_over_in_process']:.0f}% ({'met' if met else 'MISSED'})")
+    report.write_json(args.out / "serving.json", {"machine": info, "engine_args": engine_args, "rows": rows,
+                                                  "server_log_tail": log_tail or None})
+    report.save_plot(args.out / "serving.png", lambda ax: _plot(ax, measured))
     print(f"\nwrote {args.out / 'serving.json'} and {args.out / 'serving.png'}")
+    if log_tail:
+        print(f"server log tail:\n{log_tail}")
+        raise RuntimeError("some serving runs failed: " + "; ".join(
+            f"concurrency {r['concurrency']}: {r['failure']}" for r in rows if "failure" in r))
+
+
+def _measure(client: ModuleType, url: str, engine_args: dict[str, Any], level: int, count: int, words: int,
+             tokens: int, seed: int) -> dict[str, Any]:
+    """One concurrency level: the load client's summary, then the in-process replay of the same requests."""
+    load = client.run_load(url, MODEL_NAME, concurrency=level, num_requests=count, prompt_words=words,
+                           prompt_dist="uniform", output_tokens=tokens, output_dist="uniform", seed=seed)
+    summary = load.summary()
+    if summary["errors"]:
+        first = next(r.error for r in load.records if r.error)
+        return {"concurrency": level, "requests": count, "errors": summary["errors"],
+                "failure": f"{summary['errors']} of {count} requests failed: {first}"}
+    prompts, max_tokens = same_requests(client, count, words, tokens, seed)
+    if [r.max_tokens for r in load.records] != max_tokens:
+        raise RuntimeError("the in-process replay drew different requests than the load client")
+    offline = in_process(engine_args, prompts, max_tokens, level, seed)
+    return {**summary, "in_process_s": offline["seconds"], "in_process_tokens_per_s": offline["tokens_per_s"],
+            "serving_over_in_process": summary["output_tokens_per_s"] / offline["tokens_per_s"]}
+
+
+def _table_row(row: dict[str, Any]) -> list[Any]:
+    if "failure" in row:
+        return [row["concurrency"], row["requests"], f"FAILED: {row['failure'][:120]}", "–", "–", "–", "–"]
+    return [row["concurrency"], row["requests"], _ms(row["ttft_s"]), _ms(row["itl_s"]), row["output_tokens_per_s"],
+            row["in_process_tokens_per_s"], f"{100 * row['serving_over_in_process']:.0f}%"]
 
 
 def load_client_module(path: Path) -> ModuleType:
