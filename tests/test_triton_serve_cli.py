@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -68,3 +69,37 @@ def test_serve_then_grpc_client_example_then_ctrl_c(tiny_model_dir, tmp_path: Pa
         if serve.poll() is None:
             serve.kill()
             serve.wait()
+
+
+@pytest.mark.skipif(not _has_tritonserver(), reason="nvidia-pytriton wheel (tritonserver) not installed")
+def test_stop_reaps_the_stub_of_a_server_that_died(tiny_model_dir, tmp_path: Path) -> None:
+    from pagedllm.serving.server import TritonServer
+
+    version = tmp_path / "llm" / "1"
+    version.mkdir(parents=True)
+    bundled = REPO_ROOT / "model_repository" / "llm" / "config.pbtxt"
+    (tmp_path / "llm" / "config.pbtxt").write_text(bundled.read_text())
+    (version / "model.json").write_text(json.dumps({"model": str(tiny_model_dir("llama")), "device": "cpu",
+                                                    "num_kv_blocks": 16, "max_model_len": 64}))
+    server = TritonServer(tmp_path).start()
+    group = server._process.pid
+    stubs = [p for p in Path("/proc").iterdir()
+             if p.name.isdigit() and p.name != str(group) and _group_of(p) == group]
+    regions = [a.decode() for p in stubs for a in (p / "cmdline").read_bytes().split(b"\0") if b"shm_region" in a]
+    assert stubs and regions, "the model's backend stub should be running in the server's process group"
+    os.kill(group, signal.SIGKILL)  # the server dies without unloading: its stub is orphaned
+    server._process.wait()
+    assert any(_group_of(p) == group for p in stubs)
+    server.stop()
+    deadline = time.monotonic() + 10
+    while any(_group_of(p) == group for p in stubs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_group_of(p) == group for p in stubs)
+    assert not any((Path("/dev/shm") / region).exists() for region in regions)
+
+
+def _group_of(proc: Path) -> int | None:
+    try:
+        return os.getpgid(int(proc.name))
+    except (ProcessLookupError, ValueError):
+        return None

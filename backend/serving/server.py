@@ -36,6 +36,33 @@ def _die_with_parent() -> None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _reap_stubs(group: int) -> None:
+    """Kill backend stubs a dead server left behind, and remove their shared-memory regions.
+
+    A server that exits without unloading its models (its exit timeout expired with
+    requests in flight, or it crashed) orphans its Python backend stubs: they stay
+    alive holding the model. They share the server's process group, and each names its
+    shared-memory region on its command line.
+    """
+    regions = []
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry.name)) != group:
+                continue
+            arguments = (entry / "cmdline").read_bytes().split(b"\0")
+        except (ProcessLookupError, FileNotFoundError, PermissionError):
+            continue
+        regions += [a.decode() for a in arguments if a.startswith(b"triton_") and b"shm_region" in a]
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        return  # the server shut down cleanly: nothing left in its group
+    for region in regions:
+        (Path("/dev/shm") / region).unlink(missing_ok=True)
+
+
 def free_port() -> int:
     """A TCP port that was free a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -188,13 +215,15 @@ class TritonServer:
     def stop(self, timeout_s: float = 60.0) -> None:
         """Ask the server to shut down (models get ``finalize``), kill it if it overstays; idempotent."""
         process, self._process = self._process, None
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        if process is not None:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+            _reap_stubs(process.pid)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
