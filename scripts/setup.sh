@@ -15,4 +15,7 @@ python -m pip install --quiet -e ".[test]"
 # The wheel carries a real tritonserver with the Python backend; it is only a binary
 # to us, and its dependency pins (numpy<2, an old tritonclient) would clash.
 python -m pip install --quiet --no-deps nvidia-pytriton==0.7.0
+# The wheel's backend stub needs NumPy 1.x beside it: prepare its small environment now,
+# so the first `pagedllm serve` needs no network (see backend/serving/stub_env.py).
+python -m pagedllm.serving.stub_env
 python -c "import pagedllm, torch, transformers; print('pagedllm ready: torch', torch.__version__, '| transformers', transformers.__version__)"
