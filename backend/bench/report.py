@@ -28,7 +28,7 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "versions": {name: _version(name) for name in ("pagedllm", "torch", "transformers", "tokenizers")},
         "git_commit": _git_commit(),
-        "command": shlex.join(["pagedllm", *sys.argv[1:]]) if Path(sys.argv[0]).name == "pagedllm" else shlex.join(sys.argv),
+        "command": _command(),
     }
 
 
@@ -78,6 +78,12 @@ def set_threads(threads: int | None) -> None:
         if threads < 1:
             raise ValueError(f"threads={threads} is invalid: expected >= 1")
         torch.set_num_threads(threads)
+
+
+def _command() -> str:
+    if Path(sys.argv[0]).name == "pagedllm":
+        return shlex.join(["pagedllm", *sys.argv[1:]])
+    return shlex.join(["python", *sys.orig_argv[1:]])
 
 
 def _cell(value: Any) -> str:
