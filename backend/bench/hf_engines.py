@@ -11,6 +11,7 @@ KV slots, same per-step token budget and batch size.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ def run_hf_generate(model_dir: Path, workload: Workload, settings: EngineSetting
     return RunResult("hf-generate", seconds, workload.num_output_tokens, computed, samples)
 
 
-def _generate_batch(model: Any, batch: tuple[WorkloadRequest, ...] | list[WorkloadRequest]) -> tuple[list[list[int]], int]:
+def _generate_batch(model: Any, batch: Sequence[WorkloadRequest]) -> tuple[list[list[int]], int]:
     """Generate one left-padded batch; returns each request's first sample (cut to its max_tokens) and the steps run."""
     from transformers import GenerationConfig
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from pagedllm.bench import report
 from pagedllm.bench.engines import pagedllm_params
 from pagedllm.bench.models import bench_model
 from pagedllm.bench.null_engine import NullEngine
-from pagedllm.bench.workloads import KINDS, SCALES, Workload, make_workload
+from pagedllm.bench.workloads import KINDS, SCALES, Workload, WorkloadRequest, make_workload
 
 DEFAULT_BATCHED_TOKENS = 2048  # EngineConfig's default max_num_batched_tokens
 WASTE_TARGETS = {"paged": ("<", 0.02), "max-length reservation": (">", 0.60)}
@@ -165,7 +166,7 @@ def _model_max_len() -> int:
 
 
 def simulate_reservation(
-    scheme: str, workload: Workload, slots: int, max_num_seqs: int, reservation: Any
+    scheme: str, workload: Workload, slots: int, max_num_seqs: int, reservation: Callable[[WorkloadRequest], int]
 ) -> Trace:
     """FCFS with contiguous per-request reservations: admit while the next reservation fits."""
     waiting = deque(workload.requests)
