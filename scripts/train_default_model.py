@@ -118,9 +118,9 @@ def mean_loss(model: LlamaForCausalLM, chunks: torch.Tensor, batch_size: int, bf
 def greedy_samples(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast) -> dict[str, str]:
     samples = {}
     for prompt in SAMPLE_PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-        out = model.generate(ids, max_new_tokens=64, do_sample=False)
-        samples[prompt] = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=False)
+        inputs = tokenizer(prompt, return_tensors="pt")
+        out = model.generate(**inputs, max_new_tokens=64, do_sample=False)
+        samples[prompt] = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=False)
     return samples
 
 
