@@ -33,6 +33,8 @@ def build_parser(load_benches: bool) -> argparse.ArgumentParser:
     generate.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--repetition-penalty", type=float, default=1.0,
+                          help="> 1 discourages loops; 1.3 suits the small embedded model")
     generate.set_defaults(handler=_generate)
 
     serving = importlib.import_module("pagedllm.serving.cli")
@@ -65,7 +67,9 @@ def _generate(args: argparse.Namespace) -> None:
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(model=args.model)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, repetition_penalty=args.repetition_penalty
+    )
     sys.stdout.write(args.prompt)
     for out in llm.stream(args.prompt, params):
         sys.stdout.write(out.outputs[0].text if out.outputs else "")

@@ -81,8 +81,11 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="> 1 discourages loops; 1.3 suits the small embedded model")
     args = parser.parse_args()
-    sampling: dict[str, object] = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p}
+    sampling: dict[str, object] = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+                                   "repetition_penalty": args.repetition_penalty}
     if args.seed is not None:
         sampling["seed"] = args.seed
     client = grpcclient.InferenceServerClient(args.url)
