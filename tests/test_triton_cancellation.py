@@ -67,3 +67,27 @@ def test_idle_watcher_does_not_probe_and_closes_promptly() -> None:
     assert len(calls) == seen
     watcher.close()
     assert not watcher._thread.is_alive()
+
+
+def test_no_probe_runs_once_unregister_returns() -> None:
+    """A probe touches Triton's response factory, which the final response frees:
+    after unregister() (called before that send) no probe may still be running."""
+    watcher = CancellationWatcher(interval_s=0.0)
+    probing = threading.Event()
+    state = {"unregistered": False, "late_probe": False}
+
+    def slow_probe() -> bool:
+        probing.set()
+        time.sleep(0.05)
+        state["late_probe"] |= state["unregistered"]
+        return False
+
+    try:
+        watcher.register("a", slow_probe)
+        assert probing.wait(5)
+        watcher.unregister("a")
+        state["unregistered"] = True
+        time.sleep(0.1)
+        assert not state["late_probe"], "a probe was still running after unregister() returned"
+    finally:
+        watcher.close()

@@ -36,6 +36,7 @@ class CancellationWatcher:
         return lambda: key in self._cancelled
 
     def unregister(self, key: str) -> None:
+        """Stop probing ``key``; call it before sending the request's final response."""
         with self._changed:
             self._probes.pop(key, None)
             self._cancelled.discard(key)
@@ -53,16 +54,18 @@ class CancellationWatcher:
                     self._changed.wait()
                 if self._closing:
                     return
-                pending = [(key, probe) for key, probe in self._probes.items() if key not in self._cancelled]
-            for key, probe in pending:
-                try:
-                    cancelled = probe()
-                except Exception:
-                    log.exception("cancellation probe failed for %s; treating it as cancelled", key)
-                    cancelled = True
-                if cancelled:
-                    with self._changed:
-                        if key in self._probes:
-                            self._cancelled.add(key)
-            with self._changed:
+                # Probe while holding the lock: once unregister() returns, no probe of that
+                # request is running or will start, so the caller may send its FINAL
+                # response, which frees the Triton response factory the probe reads.
+                for key, probe in list(self._probes.items()):
+                    if key not in self._cancelled and self._probe(key, probe):
+                        self._cancelled.add(key)
                 self._changed.wait_for(lambda: self._closing, timeout=self._interval_s)
+
+    @staticmethod
+    def _probe(key: str, probe: Probe) -> bool:
+        try:
+            return probe()
+        except Exception:
+            log.exception("cancellation probe failed for %s; treating it as cancelled", key)
+            return True
