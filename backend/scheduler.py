@@ -81,11 +81,10 @@ class Scheduler:
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
 
-        for seq in list(self.running):
-            if budget == 0:
-                break
-            if seq not in self.running:  # preempted to make room for an older one
-                continue
+        index = 0
+        # Victims are popped from the end, so the sequences still ahead of ``index`` are all running.
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
             num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate(seq, num_tokens):
                 victim = self.running.pop()
@@ -96,6 +95,7 @@ class Scheduler:
             else:
                 scheduled.append(ScheduledSequence(seq, num_tokens))
                 budget -= num_tokens
+            index += 1
 
         if not self.running:
             self._static_batch_formed = False
