@@ -6,7 +6,7 @@ license), so the repository can ship a checkpoint that writes recognizable
 Python without downloading anything. A few whole modules are held out for
 evaluation. The number of steps is fixed (not a time budget) so reruns match.
 
-    nice -n 15 python scripts/train_default_model.py    # ~15 min on 2 idle CPU cores
+    nice -n 15 python scripts/train_default_model.py    # ~27 min on 2 idle CPU cores
 
 Writes to ``backend/default_model/``: bf16 safetensors weights, config,
 generation config, tokenizer and ``training.json`` (held-out modules,
@@ -66,7 +66,7 @@ def parse_args() -> TrainArgs:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", type=Path, default=REPO / "backend" / "default_model")
     p.add_argument("--plot", type=Path, default=REPO / "docs" / "default_model_loss.png")
-    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--steps", type=int, default=1600)
     p.add_argument("--batch-size", type=int, default=12)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--vocab-size", type=int, default=4096)
