@@ -13,6 +13,7 @@ import torch
 from pagedllm.kernels import unified_attention, unified_attention_ref
 from pagedllm.kernels.attention_heuristics import MAX_SPLITS, num_kv_splits, plan_attention
 from pagedllm.kernels.attention_launch import unified_attention_with_splits
+from pagedllm.kernels.paged_batch import PagedBatch, random_paged_batch
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -29,47 +30,10 @@ class Case:
     num_splits: int | None = 1
 
 
-@dataclass(frozen=True, slots=True)
-class PagedBatch:
-    q: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    scale: float
-
-    def args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]:
-        return (self.q, self.k_cache, self.v_cache, self.query_start_loc, self.seq_lens, self.block_table, self.scale)
-
-
 def make_batch(case: Case, seed: int = 0, spare_columns: int = 1) -> PagedBatch:
-    """Random queries and cache; each sequence's blocks are a random permutation of the pool.
-
-    The block table gets ``spare_columns`` extra columns pointing at unrelated
-    blocks, as a runner padding rows to a common width would produce.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-length // case.block_size) for length in case.seq_lens]
-    num_blocks = sum(blocks_per_seq) + 2
-    order = torch.randperm(num_blocks, generator=generator).to(torch.int32)
-    width = max(blocks_per_seq) + spare_columns
-    block_table = torch.full((len(case.seq_lens), width), int(order[-1]), dtype=torch.int32)
-    used = 0
-    for row, count in enumerate(blocks_per_seq):
-        block_table[row, :count] = order[used:used + count]
-        used += count
-    shape = (num_blocks, case.block_size, case.num_kv_heads, case.head_dim)
-    num_tokens = sum(case.query_lens)
-    return PagedBatch(
-        q=torch.randn(num_tokens, case.num_heads, case.head_dim, generator=generator).to(case.dtype),
-        k_cache=torch.randn(shape, generator=generator).to(case.dtype),
-        v_cache=torch.randn(shape, generator=generator).to(case.dtype),
-        query_start_loc=torch.tensor((0, *torch.tensor(case.query_lens).cumsum(0).tolist()), dtype=torch.int32),
-        seq_lens=torch.tensor(case.seq_lens, dtype=torch.int32),
-        block_table=block_table,
-        scale=case.head_dim ** -0.5,
-    )
+    return random_paged_batch(case.query_lens, case.seq_lens, case.num_heads, case.num_kv_heads, case.head_dim,
+                              case.block_size, case.dtype, generator=torch.Generator().manual_seed(seed),
+                              spare_columns=spare_columns)
 
 
 CASES = {

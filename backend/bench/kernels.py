@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from pagedllm.kernels import unified_attention_ref
 from pagedllm.kernels.attention_heuristics import plan_attention
+from pagedllm.kernels.paged_batch import PagedBatch, random_paged_batch
 
 # Peak HBM bandwidth in bytes/s; first substring of the device name that matches wins.
 PEAK_BANDWIDTH: tuple[tuple[str, float], ...] = (
@@ -125,37 +126,10 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit("unified_attention disagrees with the reference")
 
 
-@dataclass(frozen=True, slots=True)
-class _Paged:
-    q: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    scale: float
-
-    def args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]:
-        return (self.q, self.k_cache, self.v_cache, self.query_start_loc, self.seq_lens, self.block_table, self.scale)
-
-
 def _paged(shapes: Shapes, num_heads: int, num_kv_heads: int, query_lens: Sequence[int], seq_lens: Sequence[int],
-           device: torch.device, generator: torch.Generator) -> _Paged:
-    """Random batch over a cache whose blocks are handed out in a random order (non-contiguous tables)."""
-    block = shapes.block_size
-    per_seq = [-(-n // block) for n in seq_lens]
-    order = torch.randperm(sum(per_seq), device=device, generator=generator).to(torch.int32)
-    table = torch.zeros(len(seq_lens), max(per_seq), dtype=torch.int32, device=device)
-    for row, start in enumerate(torch.tensor([0, *per_seq]).cumsum(0)[:-1].tolist()):
-        table[row, :per_seq[row]] = order[start:start + per_seq[row]]
-    cache_shape = (sum(per_seq), block, num_kv_heads, shapes.head_dim)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, device=device, dtype=shapes.dtype, generator=generator)
-
-    starts = torch.tensor([0, *query_lens], device=device).cumsum(0).to(torch.int32)
-    return _Paged(randn(sum(query_lens), num_heads, shapes.head_dim), randn(*cache_shape), randn(*cache_shape),
-                  starts, torch.tensor(seq_lens, dtype=torch.int32, device=device), table, shapes.head_dim ** -0.5)
+           device: torch.device, generator: torch.Generator) -> PagedBatch:
+    return random_paged_batch(query_lens, seq_lens, num_heads, num_kv_heads, shapes.head_dim, shapes.block_size,
+                              shapes.dtype, device, generator)
 
 
 class _Timer:
