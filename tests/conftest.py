@@ -15,12 +15,28 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedllm.serving.triton_files import find_triton_files
 from pagedllm.tiny_model import make_tiny_model
 
 # The suite runs beside its own tritonserver processes on a 2-core machine; with
 # more busy threads than cores, OpenMP's spin-waiting makes small torch ops up
 # to 30x slower, so the test process computes on one thread.
 torch.set_num_threads(1)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "tritonserver: needs the tritonserver binary of the nvidia-pytriton wheel")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``@pytest.mark.tritonserver`` tests where the wheel's server is not installed."""
+    try:
+        find_triton_files()
+    except FileNotFoundError:
+        skip = pytest.mark.skip(reason="nvidia-pytriton wheel (tritonserver) not installed")
+        for item in items:
+            if "tritonserver" in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -181,17 +181,7 @@ def test_overhead_tiny_run_times_every_part(tmp_path: Path) -> None:
         assert row["engine_step_ms"] > 0
 
 
-def _has_tritonserver() -> bool:
-    try:
-        from pagedllm.serving.triton_files import find_triton_files
-
-        find_triton_files()
-    except (ImportError, FileNotFoundError):
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _has_tritonserver(), reason="nvidia-pytriton wheel (tritonserver) not installed")
+@pytest.mark.tritonserver
 def test_serving_tiny_run_reports_latency_and_the_in_process_ratio(tmp_path: Path) -> None:
     pytest.importorskip("tritonclient.grpc")
     from pagedllm.bench import serving

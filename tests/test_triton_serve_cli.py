@@ -14,20 +14,11 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.serving.server import free_port
-from pagedllm.serving.triton_files import find_triton_files
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _has_tritonserver() -> bool:
-    try:
-        find_triton_files()
-    except FileNotFoundError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _has_tritonserver(), reason="nvidia-pytriton wheel (tritonserver) not installed")
+@pytest.mark.tritonserver
 def test_serve_then_grpc_client_example_then_ctrl_c(tiny_model_dir, tmp_path: Path) -> None:
     model = tiny_model_dir("llama")
     version = tmp_path / "repo" / "llm" / "1"
@@ -71,7 +62,7 @@ def test_serve_then_grpc_client_example_then_ctrl_c(tiny_model_dir, tmp_path: Pa
             serve.wait()
 
 
-@pytest.mark.skipif(not _has_tritonserver(), reason="nvidia-pytriton wheel (tritonserver) not installed")
+@pytest.mark.tritonserver
 def test_stop_reaps_the_stub_of_a_server_that_died(tiny_model_dir, tmp_path: Path) -> None:
     from pagedllm.serving.server import TritonServer
 

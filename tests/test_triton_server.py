@@ -21,7 +21,6 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.serving.server import TritonServer  # noqa: E402
-from pagedllm.serving.triton_files import find_triton_files  # noqa: E402
 
 MAX_MODEL_LEN = 256
 NUM_KV_BLOCKS = 160
@@ -31,15 +30,7 @@ MINIMAL_CONFIG = 'backend: "pagedllm"\ninstance_group [ { count: 1 kind: KIND_MO
 WORDS = ["def", "class", "import", "return", "while", "for", "print", "self", "value", "lambda", "yield", "try"]
 
 
-def _has_tritonserver() -> bool:
-    try:
-        find_triton_files()
-    except FileNotFoundError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _has_tritonserver(), reason="nvidia-pytriton wheel (tritonserver) not installed")
+pytestmark = pytest.mark.tritonserver
 
 
 @pytest.fixture(scope="module")
