@@ -9,9 +9,9 @@ from typing import Any
 _EXPORTS = {
     "LLM": "pagedllm.llm",
     "SamplingParams": "pagedllm.sampling_params",
-    "RequestOutput": "pagedllm.outputs",
-    "FinalOutput": "pagedllm.outputs",
-    "CompletionOutput": "pagedllm.outputs",
+    "RequestOutput": "pagedllm.engine.outputs",
+    "FinalOutput": "pagedllm.engine.outputs",
+    "CompletionOutput": "pagedllm.engine.outputs",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -57,7 +57,7 @@ def build_parser(load_benches: bool) -> argparse.ArgumentParser:
 
 
 def _make_tiny_model(args: argparse.Namespace) -> None:
-    from pagedllm.tiny_model import make_tiny_model
+    from pagedllm.testing.tiny_model import make_tiny_model
 
     path = make_tiny_model(args.directory, arch=args.arch, seed=args.seed, size=args.size)
     print(f"wrote {args.arch} ({args.size}) checkpoint to {path}")

@@ -9,8 +9,8 @@ from typing import Any
 from tqdm import tqdm
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine import EngineStats, LLMEngine
-from pagedllm.outputs import FinalOutput, RequestOutput
+from pagedllm.engine.llm_engine import EngineStats, LLMEngine
+from pagedllm.engine.outputs import FinalOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 Prompt = str | Mapping[str, Any]

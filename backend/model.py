@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pagedllm.engine import LLMEngine
-from pagedllm.engine_loop import EngineLoop
-from pagedllm.outputs import RequestOutput
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.engine_loop import EngineLoop
+from pagedllm.engine.outputs import RequestOutput
 from pagedllm.serving.cancellation import CancellationWatcher
 from pagedllm.serving.engine_args import load_engine_config
 from pagedllm.serving.metrics import TritonMetrics

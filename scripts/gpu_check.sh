@@ -17,7 +17,7 @@ python3 - <<'PY' 2>&1 | tee "$OUT/engine_cuda.txt"
 import tempfile, torch
 from pathlib import Path
 from pagedllm import LLM, SamplingParams
-from pagedllm.tiny_model import make_tiny_model
+from pagedllm.testing.tiny_model import make_tiny_model
 
 params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 prompts = [{"prompt_token_ids": torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()}

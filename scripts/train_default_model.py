@@ -32,7 +32,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
-from pagedllm.tokenizer_training import python_stdlib_texts, train_bpe_tokenizer
+from pagedllm.testing.tokenizer_training import python_stdlib_texts, train_bpe_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 HELD_OUT_MODULES = ("json", "csv", "textwrap", "fractions", "heapq", "shlex", "queue", "graphlib")

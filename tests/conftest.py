@@ -3,7 +3,7 @@
 ``tiny_model_dir`` (session scope) is a factory: ``tiny_model_dir("qwen2")``
 returns the directory of a tiny random-weight checkpoint of that architecture
 ("llama", "mistral", "qwen2" or "qwen3"; seed 0, size "tiny"), built with
-``pagedllm.tiny_model.make_tiny_model`` on first use and reused for the rest
+``pagedllm.testing.tiny_model.make_tiny_model`` on first use and reused for the rest
 of the test session. Treat the directory as read-only: other tests share it.
 Each build takes about a second (tokenizer training plus weights).
 """
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagedllm.serving.triton_files import find_triton_files
-from pagedllm.tiny_model import make_tiny_model
+from pagedllm.testing.tiny_model import make_tiny_model
 
 # The suite runs beside its own tritonserver processes on a 2-core machine; with
 # more busy threads than cores, OpenMP's spin-waiting makes small torch ops up

@@ -24,7 +24,7 @@ from transformers import (
 )
 
 import pagedllm
-from pagedllm.tokenizer_training import python_stdlib_texts, train_bpe_tokenizer
+from pagedllm.testing.tokenizer_training import python_stdlib_texts, train_bpe_tokenizer
 
 MODEL_DIR = Path(pagedllm.__file__).resolve().parent / "default_model"
 MAX_MODEL_BYTES = 20_000_000

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from pagedllm.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
+from pagedllm.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.tokenizer_training import ENDOFTEXT, train_bpe_tokenizer
+from pagedllm.testing.tokenizer_training import ENDOFTEXT, train_bpe_tokenizer
 
 CORPUS = [
     "héllo wörld 日本語 emoji 🙂",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.request import SequenceStatus
+from pagedllm.core.request import SequenceStatus
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from pagedllm.engine_loop import EngineLoop, RequestTiming
-from pagedllm.outputs import CompletionDelta, RequestOutput
+from pagedllm.engine.engine_loop import EngineLoop, RequestTiming
+from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -282,8 +282,8 @@ def test_on_step_reports_stats_and_finished_request_timings() -> None:
 def test_real_engine_streams_from_many_threads_exactly_as_offline(tiny_model_dir) -> None:
     from pagedllm import LLM
     from pagedllm.config import EngineConfig
-    from pagedllm.engine import LLMEngine
-    from pagedllm.outputs import FinalOutput
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.engine.outputs import FinalOutput
 
     model = str(tiny_model_dir("llama"))
     prompts = [f"def f{i}(x):" + " return x" * (i % 4) for i in range(12)]

@@ -13,7 +13,7 @@ import torch
 from pagedllm.kernels import unified_attention, unified_attention_ref
 from pagedllm.kernels.attention_heuristics import MAX_SPLITS, num_kv_splits, plan_attention
 from pagedllm.kernels.attention_launch import unified_attention_with_splits
-from pagedllm.kernels.paged_batch import PagedBatch, random_paged_batch
+from pagedllm.testing.paged_batch import PagedBatch, random_paged_batch
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 

@@ -14,10 +14,10 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.kv_cache_manager import KVCacheManager
-from pagedllm.request import Request, Sequence, SequenceStatus
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, Sequence, SequenceStatus
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import Scheduler
+from pagedllm.core.scheduler import Scheduler
 
 BLOCK_SIZE = 4
 

@@ -14,8 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from pagedllm.attention_backend import REFERENCE_BACKEND
-from pagedllm.attention_metadata import AttentionMetadata
+from pagedllm.worker.attention_backend import REFERENCE_BACKEND
+from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.models import CausalLM, load_model
 
 ARCHES = ["llama", "mistral", "qwen2", "qwen3"]

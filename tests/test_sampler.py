@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from pagedllm.sampler import Sampler, SamplingRow, apply_penalties, make_generator
+from pagedllm.worker.sampler import Sampler, SamplingRow, apply_penalties, make_generator
 from pagedllm.sampling_params import SamplingParams
 
 VOCAB = 12

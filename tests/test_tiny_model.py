@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pagedllm.tiny_model import main, make_tiny_model
+from pagedllm.testing.tiny_model import main, make_tiny_model
 
 
 def tensors_of(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 
-from pagedllm.outputs import CompletionDelta, RequestOutput
+from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.serving.request_codec import GenerateRequest, ReturnFlags
 from pagedllm.serving.response_codec import ResponseAssembler, merge_tensors

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from pagedllm.kernels import unified_attention_ref
 from pagedllm.kernels.attention_heuristics import plan_attention
-from pagedllm.kernels.paged_batch import PagedBatch, random_paged_batch
+from pagedllm.testing.paged_batch import PagedBatch, random_paged_batch
 
 # Peak HBM bandwidth in bytes/s; first substring of the device name that matches wins.
 PEAK_BANDWIDTH: tuple[tuple[str, float], ...] = (

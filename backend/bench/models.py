@@ -2,7 +2,7 @@
 
 ``tiny`` (~3.4M parameters) is overhead-bound on CPU: it shows what the
 scheduler and batching cost. ``small`` (~32M parameters, hidden 512, 8 layers)
-is compute-bound on CPU. Both come from ``pagedllm.tiny_model`` and are never
+is compute-bound on CPU. Both come from ``pagedllm.testing.tiny_model`` and are never
 downloaded.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pagedllm.tiny_model import SIZES, make_tiny_model
+from pagedllm.testing.tiny_model import SIZES, make_tiny_model
 
 CACHE_ENV = "PAGEDLLM_BENCH_CACHE"  # where checkpoints are built; default ~/.cache/pagedllm/bench
 ARCH = "llama"

@@ -13,10 +13,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 
-from pagedllm.kv_cache_manager import KVCacheManager
-from pagedllm.request import Request, Sequence, SequenceStatus
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, Sequence, SequenceStatus
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import Scheduler, SchedulerOutput
+from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 
 NULL_TOKEN = 7
 

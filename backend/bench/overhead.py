@@ -134,8 +134,8 @@ def _max_tokens(n: int, prompt_len: int, steps: int) -> int:
 
 def _null_runner(block_size: int) -> Any:
     """A ModelRunner with a one-block cache: ``prepare`` only builds host tensors and never touches the cache."""
-    from pagedllm.attention_backend import select_attention_backend
-    from pagedllm.model_runner import ModelRunner
+    from pagedllm.worker.attention_backend import select_attention_backend
+    from pagedllm.worker.model_runner import ModelRunner
     from pagedllm.models import load_model
 
     device = torch.device("cpu")

@@ -15,8 +15,8 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from pagedllm.attention_backend import AttentionBackend
-from pagedllm.attention_metadata import AttentionMetadata
+from pagedllm.worker.attention_backend import AttentionBackend
+from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.models.architectures import ArchitectureTraits
 from pagedllm.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
 

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from pagedllm.attention_backend import AttentionBackend
+from pagedllm.worker.attention_backend import AttentionBackend
 from pagedllm.models.architectures import resolve_architecture
 from pagedllm.models.llama import CausalLM
 

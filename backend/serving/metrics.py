@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.engine_loop import RequestTiming
+from pagedllm.engine.engine_loop import RequestTiming
 
 log = logging.getLogger(__name__)
 

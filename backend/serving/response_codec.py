@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedllm.outputs import CompletionDelta, RequestOutput
+from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.serving.request_codec import GenerateRequest
 
 Tensors = dict[str, np.ndarray]

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm.attention_backend import AttentionBackend
-from pagedllm.attention_metadata import AttentionMetadata
+from pagedllm.worker.attention_backend import AttentionBackend
+from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.models import CausalLM
-from pagedllm.scheduler import SchedulerOutput
+from pagedllm.core.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from pagedllm.tokenizer_training import python_stdlib_texts, train_bpe_tokenizer
+from pagedllm.testing.tokenizer_training import python_stdlib_texts, train_bpe_tokenizer
 
 ARCHES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -68,7 +68,7 @@ SIZES: dict[str, ModelSize] = {
 }
 
 INITIALIZER_RANGE = 0.15
-EOS_TOKEN_ID = 0  # ``<|endoftext|>`` in every tokenizer from pagedllm.tokenizer_training
+EOS_TOKEN_ID = 0  # ``<|endoftext|>`` in every tokenizer from pagedllm.testing.tokenizer_training
 
 
 def make_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, size: str = "tiny") -> Path:

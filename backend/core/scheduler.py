@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from pagedllm.kv_cache_manager import NO_MATCH, KVCacheManager
-from pagedllm.request import Sequence, SequenceStatus
+from pagedllm.core.kv_cache_manager import NO_MATCH, KVCacheManager
+from pagedllm.core.request import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True, slots=True)

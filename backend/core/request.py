@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.sampling_params import SamplingParams
 
 

@@ -12,19 +12,19 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
-from pagedllm.attention_backend import select_attention_backend
+from pagedllm.worker.attention_backend import select_attention_backend
 from pagedllm.config import EngineConfig
-from pagedllm.detokenizer import IncrementalDetokenizer
-from pagedllm.kv_cache_manager import KVCacheManager
-from pagedllm.model_runner import ModelRunner
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.models import CausalLM, load_model
-from pagedllm.outputs import CompletionDelta, RequestOutput
-from pagedllm.request import Request, Sequence, SequenceStatus
-from pagedllm.sampler import SampledToken, Sampler, SamplingRow, make_generator
+from pagedllm.engine.outputs import CompletionDelta, RequestOutput
+from pagedllm.core.request import Request, Sequence, SequenceStatus
+from pagedllm.worker.sampler import SampledToken, Sampler, SamplingRow, make_generator
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import Scheduler, SchedulerOutput
+from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "default_model"
 MAX_LOGPROBS = 20
 _CPU_KV_BUDGET_BYTES = 1 << 30
 

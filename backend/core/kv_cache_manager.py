@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from pagedllm.request import Sequence
+from pagedllm.core.request import Sequence
 
 
 @dataclass(eq=False, slots=True)

@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pagedllm.outputs import CompletionDelta, RequestOutput
+from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

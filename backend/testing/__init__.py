@@ -1,0 +1,1 @@
+"""Builders for tests and benchmarks: tiny checkpoints, a locally trained tokenizer, random paged batches."""

@@ -1,0 +1,1 @@
+"""Runs a scheduled step on the device: input batch, attention backends, model runner, sampler."""
