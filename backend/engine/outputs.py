@@ -25,6 +25,9 @@ class RequestOutput:
     prompt_token_ids: tuple[int, ...]
     outputs: tuple[CompletionDelta, ...]  # only the samples that changed this step
     finished: bool  # every sample is done; no more outputs will follow
+    # Set (with finished=True) when the engine ended this request because it faulted, alone:
+    # the other requests of the batch carry on. Says why, for the client.
+    error: str | None = None
 
 
 @dataclass(slots=True)
