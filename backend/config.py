@@ -17,13 +17,15 @@ _SCHEDULING = ("continuous", "static")
 class EngineConfig:
     """Everything that shapes an engine; see the README's table for each key.
 
-    ``model=None`` serves the embedded default model. ``num_kv_blocks=None``
+    ``model=None`` serves the embedded default model; ``model`` and ``tokenizer`` may be
+    local directories or Hugging Face hub ids (``pagedllm.model_source``). ``num_kv_blocks=None``
     sizes the KV cache from ``kv_cache_memory_gb`` (or, on CUDA, from
     ``gpu_memory_utilization`` of the device's free memory).
     """
 
     model: str | None = None
     tokenizer: str | None = None
+    revision: str | None = None  # hub branch, tag or commit for a hub-id model/tokenizer
     dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16

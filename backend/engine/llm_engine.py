@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 
 from pagedllm.worker.attention_backend import select_attention_backend
 from pagedllm.config import EngineConfig
+from pagedllm.model_source import resolve_model_dir
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.worker.model_runner import ModelRunner
@@ -58,12 +59,13 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        model_dir = Path(config.model) if config.model is not None else DEFAULT_MODEL_DIR
+        model_dir = resolve_model_dir(config.model, config.revision) if config.model is not None else DEFAULT_MODEL_DIR
         if not (model_dir / "config.json").is_file():
             raise ValueError(f"model={str(model_dir)!r} is not a Hugging Face checkpoint directory (no config.json)")
         self.device = config.torch_device()
         torch.manual_seed(config.seed)
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            resolve_model_dir(config.tokenizer, config.revision, field="tokenizer") if config.tokenizer else model_dir)
         attention = select_attention_backend(
             self.device, {"auto": None, "triton": True, "torch": False}[config.attention_backend]
         )

@@ -6,8 +6,9 @@ step with only the new text (``""`` for a sample that produced nothing this step
 Not streaming: one response at the end with each sample's whole text, prompt first
 when asked. ``finish_reason`` is ``"None"`` for a sample still running, as vllm_backend
 writes it. ``logprobs`` is, per sample, a JSON list with one object per new token:
-``{token_id: {"logprob", "rank", "decoded_token"}}``, or ``"null"`` when the request
-asked for no logprobs. A sampled token outside the requested top-k gets rank k + 1
+``{token_id: {"logprob", "rank", "decoded_token"}}`` with the sampled token's entry first
+(so a client can tell it from the alternatives), or ``"null"`` when the request asked
+for no logprobs. A sampled token outside the requested top-k gets rank k + 1
 (the engine does not compute its exact rank; clients such as Triton's OpenAI frontend
 need an integer there).
 """
@@ -70,14 +71,15 @@ class ResponseAssembler:
 
     def _logprob_entries(self, delta: CompletionDelta) -> list[dict[str, dict[str, object]]]:
         entries = []
-        for candidates in delta.logprobs or ():
+        for sampled, candidates in zip(delta.token_ids, delta.logprobs or ()):
             # Ranks are positions among the returned entries: exact for the top-k, and k + 1 for a
             # sampled token listed beyond them.
             ranked = sorted(candidates.items(), key=lambda item: -item[1])
-            entries.append({
+            entry = {
                 str(token_id): {"logprob": logprob, "rank": position + 1, "decoded_token": self._decode_token(token_id)}
                 for position, (token_id, logprob) in enumerate(ranked)
-            })
+            }
+            entries.append({str(sampled): entry[str(sampled)], **entry})  # the sampled token first
         return entries
 
     def _tensors(self, samples: list[_Sample], prefix: str) -> Tensors:
