@@ -1,0 +1,115 @@
+"""OpenAI request bodies, as pydantic models, and their translation to the backend's sampling parameters.
+
+Only the fields listed here are accepted; anything else is a 400 naming it, so a
+client never believes a setting took effect when it was ignored. Beyond OpenAI's
+fields, vLLM's usual extras (``top_k``, ``min_p``, ``repetition_penalty``,
+``ignore_eos``, ``min_tokens``, ``stop_token_ids``) pass through, since the engine
+has them. Ranges are checked by the engine (``SamplingParams``), whose message comes
+back as the 400's text.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_TOP_LOGPROBS = 20
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    n: int = Field(default=1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted for compatibility; not used
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        values = {
+            "n": self.n, "stop": stop, "max_tokens": max_tokens, "temperature": self.temperature,
+            "top_p": self.top_p, "seed": self.seed, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "top_k": self.top_k, "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids, "logprobs": logprobs,
+        }
+        return {key: value for key, value in values.items() if value is not None}
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``: one prompt (a string, or a list holding one string)."""
+
+    prompt: str | list[str]
+    max_tokens: int | None = Field(default=COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+
+    def prompt_text(self) -> str:
+        if isinstance(self.prompt, str):
+            return self.prompt
+        if len(self.prompt) != 1:
+            raise ValueError(f"prompt: a list must hold exactly one prompt here, got {len(self.prompt)}")
+        return self.prompt[0]
+
+    def sampling_parameters(self) -> dict[str, Any]:
+        return self._sampling(self.max_tokens, self.logprobs)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: the chat template decides
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates expect it; text parts of a list content are joined."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            texts = []
+            for part in self.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages: only text content parts are supported, got {part.get('type')!r}")
+                texts.append(part["text"])
+            message["content"] = "".join(texts)
+        return message
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def sampling_parameters(self) -> dict[str, Any]:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs to be true")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling(self.max_completion_tokens or self.max_tokens, logprobs)

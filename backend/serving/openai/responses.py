@@ -1,0 +1,118 @@
+"""Build OpenAI response bodies (whole, or SSE chunks) from the Triton bridge's responses.
+
+One ``ResponseBuilder`` per request: ``chunks()`` turns each Triton response into the
+stream's chunks, one per sample that gained text or finished; ``response()`` gives the
+non-streaming body from everything added. Either way ``usage`` counts the prompt tokens
+the engine saw and the tokens every sample generated.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pagedllm.serving.openai.triton_bridge import GenerateResponse, SampleDelta, TokenLogprob
+
+Kind = Literal["chat", "completion"]
+
+
+@dataclass(slots=True)
+class _Choice:
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(slots=True)
+class ResponseBuilder:
+    kind: Kind
+    model: str
+    n: int
+    echo: str = ""  # completions with echo: the prompt, put before each choice's text
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    _choices: list[_Choice] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._choices = [_Choice() for _ in range(self.n)]
+        self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.id
+
+    def add(self, response: GenerateResponse) -> None:
+        self.prompt_tokens = response.num_prompt_tokens
+        for sample in response.samples:
+            choice = self._choices[sample.index]
+            choice.text += sample.text
+            self.completion_tokens += sample.num_tokens
+            choice.finish_reason = sample.finish_reason or choice.finish_reason
+            if sample.logprobs is not None:
+                choice.logprobs = (choice.logprobs or []) + list(sample.logprobs)
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def response(self) -> dict[str, Any]:
+        """The non-streaming body."""
+        choices = []
+        for index, choice in enumerate(self._choices):
+            logprobs = None if choice.logprobs is None else self._logprobs(choice.logprobs, len(self.echo))
+            if self.kind == "chat":
+                body: dict[str, Any] = {"message": {"role": "assistant", "content": choice.text}}
+            else:
+                body = {"text": self.echo + choice.text}
+            choices.append({"index": index, **body, "logprobs": logprobs, "finish_reason": choice.finish_reason})
+        return {**self._envelope(stream=False), "choices": choices, "usage": self.usage()}
+
+    def role_chunk(self) -> dict[str, Any] | None:
+        """Chat streams open with the assistant role, one delta per choice (as OpenAI's do)."""
+        if self.kind != "chat":
+            return None
+        return {**self._envelope(stream=True), "choices": [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(self.n)]}
+
+    def chunks(self, response: GenerateResponse, include_usage: bool) -> list[dict[str, Any]]:
+        """The stream chunks for one Triton response; ``usage`` is null in each when it will follow at the end."""
+        offsets = [len(self.echo + c.text) for c in self._choices]
+        self.add(response)
+        chunks = []
+        for sample in response.samples:
+            if not sample.text and sample.finish_reason is None and not sample.logprobs:
+                continue
+            chunk = {**self._envelope(stream=True), "choices": [self._chunk_choice(sample, offsets[sample.index])]}
+            if include_usage:
+                chunk["usage"] = None
+            chunks.append(chunk)
+        return chunks
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {**self._envelope(stream=True), "choices": [], "usage": self.usage()}
+
+    def _chunk_choice(self, sample: SampleDelta, text_offset: int) -> dict[str, Any]:
+        logprobs = None if sample.logprobs is None else self._logprobs(list(sample.logprobs), text_offset)
+        body = {"delta": {"content": sample.text}} if self.kind == "chat" else {"text": sample.text}
+        return {"index": sample.index, **body, "logprobs": logprobs, "finish_reason": sample.finish_reason}
+
+    def _envelope(self, stream: bool) -> dict[str, Any]:
+        kind = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": kind + (".chunk" if stream and self.kind == "chat" else ""),
+                "created": self.created, "model": self.model}
+
+    def _logprobs(self, tokens: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
+        if self.kind == "chat":
+            return {"content": [{**_token(t.token, t.logprob),
+                                 "top_logprobs": [_token(text, logprob) for text, logprob in t.alternatives]}
+                                for t in tokens]}
+        offsets = []
+        for token in tokens:
+            offsets.append(text_offset)
+            text_offset += len(token.token)
+        return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [dict(t.alternatives) for t in tokens], "text_offset": offsets}
+
+
+def _token(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
