@@ -2,17 +2,25 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import shutil
 import signal
 import sys
 import tempfile
 import threading
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from pagedllm.serving.backend_dir import install_backend
+from pagedllm.serving.engine_args import load_engine_config
 from pagedllm.serving.request_codec import INPUT_SPECS, OUTPUT_SPECS
 from pagedllm.serving.server import TritonServer
+
+if TYPE_CHECKING:  # the OpenAI server needs the `openai` extra: imported only when asked for
+    from pagedllm.serving.openai.http_server import OpenAIServer
+    from pagedllm.serving.openai.served_models import ServedModel
 
 
 def bundled_model_repository() -> Path:
@@ -54,10 +62,36 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--host", default="0.0.0.0", help="address the three endpoints listen on")
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    parser.add_argument("--model", default=None,
+                        help="serve this checkpoint directory or Hugging Face hub id as Triton model `llm` "
+                             "(the model repository is written to a scratch folder, removed on exit)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="with --model: the name OpenAI clients use (default: the --model value)")
+    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --model: an engine argument for model.json, e.g. dtype=float32 or max_model_len=4096 "
+                             "(VALUE is read as JSON when it parses, else as a string); repeatable")
+    parser.add_argument("--openai-port", type=int, default=None,
+                        help="also serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions) on this port")
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    repository = args.model_repository or bundled_model_repository()
+    scratch = Path(tempfile.mkdtemp(prefix="pagedllm-serve-")) if args.model else None
+    try:
+        return _serve(args, scratch)
+    finally:  # also on Ctrl-C while loading (KeyboardInterrupt)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _serve(args: argparse.Namespace, scratch: Path | None) -> int:
+    try:
+        if not args.model and (args.engine_arg or args.served_model_name):
+            raise ValueError("--engine-arg and --served-model-name go with --model")
+        repository = generated_repository(args, scratch) if scratch else args.model_repository or bundled_model_repository()
+        openai_models = _openai_models(args, repository) if args.openai_port is not None else None
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if not repository.is_dir():
         print(f"error: model repository {repository} does not exist; pass --model-repository", file=sys.stderr)
         return 2
@@ -74,6 +108,14 @@ def serve_main(args: argparse.Namespace) -> int:
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    try:
+        openai_server = _start_openai(args, server, openai_models) if openai_models is not None else None
+    except BaseException as error:  # a port in use, or Ctrl-C: tritonserver must not outlive the launcher
+        server.stop()
+        if not isinstance(error, RuntimeError):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         shown = "localhost" if args.host in ("0.0.0.0", "::") else args.host
@@ -81,7 +123,9 @@ def serve_main(args: argparse.Namespace) -> int:
               f"  gRPC     {shown}:{server.grpc_port}\n"
               f"  HTTP     http://{shown}:{server.http_port}  (POST /v2/models/<model>/generate[_stream])\n"
               f"  metrics  http://{shown}:{server.metrics_port}/metrics\n"
-              "Ctrl-C stops the server.", flush=True)
+              + (f"  OpenAI   http://{shown}:{args.openai_port}/v1  (models: "
+                 f"{', '.join(m.name for m in openai_models or ())})\n" if openai_server else "")
+              + "Ctrl-C stops the server.", flush=True)
         while not stop.wait(0.5):
             if not server.running:
                 print("error: tritonserver exited", file=sys.stderr)
@@ -89,9 +133,59 @@ def serve_main(args: argparse.Namespace) -> int:
         print("stopping tritonserver ...", flush=True)
         return 0
     finally:
+        if openai_server is not None:
+            openai_server.stop()
         server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def generated_repository(args: argparse.Namespace, root: Path) -> Path:
+    """``--model`` and ``--engine-arg``s as a one-model repository (``llm``) in ``root``, validated."""
+    if args.model_repository is not None:
+        raise ValueError("--model and --model-repository exclude each other: pass one")
+    from pagedllm.model_source import resolve_model_dir
+
+    engine_args = parse_engine_args(args.engine_arg)
+    if "model" in engine_args:
+        raise ValueError("--engine-arg model=...: pass the model with --model")
+    revision = engine_args.get("revision")
+    model_dir = resolve_model_dir(args.model, revision if isinstance(revision, str) else None)
+    repository = write_example_repository(root, {**engine_args, "model": str(model_dir.resolve())})
+    load_engine_config(repository / "llm" / "1")  # a bad key or value fails here, before tritonserver starts
+    return repository
+
+
+def parse_engine_args(items: list[str]) -> dict[str, object]:
+    """``KEY=VALUE`` strings as a dict; VALUE is JSON when it parses (``128``, ``false``), else a string."""
+    values: dict[str, object] = {}
+    for item in items:
+        key, separator, text = item.partition("=")
+        if not separator or not key:
+            raise ValueError(f"--engine-arg {item!r}: expected KEY=VALUE")
+        try:
+            values[key] = json.loads(text)
+        except json.JSONDecodeError:
+            values[key] = text
+    return values
+
+
+def _openai_models(args: argparse.Namespace, repository: Path) -> list[ServedModel]:
+    """The repository's models under their folder names; with ``--model``, under the name clients know it by."""
+    from pagedllm.serving.openai.served_models import repository_models
+
+    models = repository_models(repository)
+    if args.model:
+        return [dataclasses.replace(model, name=args.served_model_name or args.model) for model in models]
+    return models
+
+
+def _start_openai(args: argparse.Namespace, server: TritonServer, models: list[ServedModel]) -> OpenAIServer:
+    """The OpenAI server, talking to tritonserver's gRPC port; raises ``RuntimeError`` if it cannot start."""
+    from pagedllm.serving.openai.http_server import OpenAIServer
+
+    grpc_url = f"127.0.0.1:{server.grpc_port}" if args.host in ("0.0.0.0", "::") else server.grpc_url
+    return OpenAIServer(grpc_url, models, host=args.host, port=args.openai_port).start()
 
 
 def add_install_backend_arguments(parser: argparse.ArgumentParser) -> None:
