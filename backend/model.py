@@ -9,13 +9,26 @@ in-flight request's cancellation flag is checked before every engine step (a wat
 thread refreshes the flags from ``is_cancelled()``, off the engine thread); a
 cancelled request is aborted (its KV blocks go back to the pool at that step) and
 ends with a CANCELLED error. Bad input ends with an INVALID_ARG error naming the
-field. This is the only module that imports ``triton_python_backend_utils``.
+field; a request the engine faulted on alone, or a failed step, ends with INTERNAL.
+Every request gets exactly one FINAL response, whatever happens (see ``_Stream.end``).
+
+Health, as vllm_backend's ``ENABLE_VLLM_HEALTH_CHECK``: if the engine loop dies, new
+requests get UNAVAILABLE with the reason, and the model asks Triton to unload it
+(``pb_utils.unload_model``), which turns ``/v2/models/<name>/ready`` false. Triton
+allows that only with ``--model-control-mode=explicit``, which ``pagedllm serve``
+uses; under other modes the model stays listed as ready and answers UNAVAILABLE.
+``finalize`` returns within ``FINALIZE_BUDGET_S`` whatever the engine is doing: each
+in-flight stream gets a final UNAVAILABLE error.
+
+This is the only module that imports ``triton_python_backend_utils``.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import threading
+import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -25,14 +38,25 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.engine_loop import EngineLoop
+from pagedllm.engine.engine_loop import EngineLoop, EngineUnavailable, FailureKind
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.serving.cancellation import CancellationWatcher
 from pagedllm.serving.engine_args import load_engine_config
 from pagedllm.serving.metrics import TritonMetrics
-from pagedllm.serving.request_codec import INPUT_NAMES, INPUT_SPECS, OUTPUT_SPECS, parse_request
+from pagedllm.serving.request_codec import (
+    INPUT_NAMES,
+    INPUT_SPECS,
+    MAX_PROMPT_BYTES_PER_TOKEN,
+    OUTPUT_SPECS,
+    parse_request,
+)
 from pagedllm.serving.response_codec import ResponseAssembler, Tensors
 from pagedllm.serving.response_dispatcher import Data, Failure, ResponseDispatcher
+
+
+FINALIZE_BUDGET_S = 10.0
+_ERROR_CODES = {FailureKind.REQUEST: "INTERNAL", FailureKind.ENGINE: "INTERNAL",
+                FailureKind.UNAVAILABLE: "UNAVAILABLE"}
 
 
 @dataclass(slots=True)
@@ -42,6 +66,14 @@ class _Stream:
     request_id: str
     sender: Any  # pb_utils.InferenceResponseSender
     assembler: ResponseAssembler
+    ended: bool = False
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def end(self) -> bool:
+        """Claim the right to queue this stream's FINAL response; True for exactly one caller."""
+        with self.lock:
+            first, self.ended = not self.ended, True
+            return first
 
 
 class TritonPythonModel:
@@ -71,12 +103,16 @@ class TritonPythonModel:
             # KIND_GPU instances are placed by Triton: use the GPU it assigned to this instance.
             engine_config = dataclasses.replace(engine_config, device=f"cuda:{args['model_instance_device_id']}")
         self._logger.log_info(f"[pagedllm] starting engine with {engine_config}")
+        self._model_name = args["model_name"]
         self._engine = LLMEngine(engine_config)
+        self._max_prompt_bytes = self._engine.max_model_len * MAX_PROMPT_BYTES_PER_TOKEN
         self._metrics = self._create_metrics({"model": args["model_name"], "version": args["model_version"]})
         self._dispatcher = ResponseDispatcher(self._send, self._send_error_now)
         self._watcher = CancellationWatcher()
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
         on_step = self._metrics.record if self._metrics is not None else None
-        self._loop = EngineLoop(self._engine, on_step=on_step).start()
+        self._loop = EngineLoop(self._engine, on_step=on_step, on_death=self._on_engine_death).start()
         self._logger.log_info(f"[pagedllm] ready: max_model_len={self._engine.max_model_len}, "
                               f"{self._engine.stats().num_blocks_total} KV blocks of {engine_config.block_size}")
 
@@ -97,33 +133,43 @@ class TritonPythonModel:
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
-            self._start(request)
+            sender = request.get_response_sender()
+            try:
+                self._start(request, sender)
+            except Exception as error:  # never leave a client without its FINAL response
+                self._logger.log_error(f"[pagedllm] failed to start a request: {error!r}")
+                self._push(uuid.uuid4().hex, sender, Failure(f"internal error: {error}", "INTERNAL"))
         return None
 
-    def _start(self, request: Any) -> None:
-        sender = request.get_response_sender()
+    def _start(self, request: Any, sender: Any) -> None:
+        unavailable = self._loop.error
+        if unavailable is not None:
+            self._push(uuid.uuid4().hex, sender, Failure(f"model unavailable: {unavailable}", "UNAVAILABLE"))
+            return
         try:
             inputs = {}
             for name in INPUT_NAMES:
                 tensor = pb_utils.get_input_tensor_by_name(request, name)
                 if tensor is not None:
                     inputs[name] = tensor.as_numpy()
-            parsed = parse_request(inputs, request.parameters())
+            parsed = parse_request(inputs, request.parameters(), max_prompt_bytes=self._max_prompt_bytes)
         except ValueError as error:
             self._push(uuid.uuid4().hex, sender, Failure(f"invalid request: {error}", "INVALID_ARG"))
             return
         request_id = f"{request.request_id() or 'triton'}-{uuid.uuid4().hex}"
         stream = _Stream(request_id, sender, ResponseAssembler(parsed, self._decode_token))
+        with self._streams_lock:
+            self._streams[request_id] = stream
         is_cancelled = self._watcher.register(request_id, sender.is_cancelled)
         try:
             verdict = self._loop.submit_nowait(
                 request_id, parsed.prompt, parsed.params,
                 on_output=lambda output: self._on_output(stream, output),
-                on_error=lambda message: self._end_with_error(stream, message, "UNAVAILABLE"),
+                on_error=lambda message, kind: self._end_with_error(stream, message, _ERROR_CODES[kind]),
                 is_cancelled=is_cancelled,
             )
-        except RuntimeError as error:
-            self._end_with_error(stream, str(error), "UNAVAILABLE")
+        except EngineUnavailable as error:
+            self._end_with_error(stream, f"model unavailable: {error}", "UNAVAILABLE")
             return
         verdict.add_done_callback(lambda done: self._on_verdict(stream, done))
 
@@ -131,12 +177,32 @@ class TritonPythonModel:
         error = verdict.exception()
         if isinstance(error, ValueError):
             self._end_with_error(stream, f"invalid request: {error}", "INVALID_ARG")
+        elif isinstance(error, EngineUnavailable):
+            self._end_with_error(stream, f"model unavailable: {error}", "UNAVAILABLE")
         elif error is not None:
-            self._end_with_error(stream, str(error), "UNAVAILABLE")
+            self._end_with_error(stream, f"internal error: {error}", "INTERNAL")
 
     def _end_with_error(self, stream: _Stream, message: str, code: str) -> None:
+        if self._claim_end(stream):
+            self._push(stream.request_id, stream.sender, Failure(message, code))
+
+    def _claim_end(self, stream: _Stream) -> bool:
+        """Stop tracking ``stream``; True if the caller is the one to queue its FINAL response."""
+        if not stream.end():
+            return False
         self._watcher.unregister(stream.request_id)
-        self._push(stream.request_id, stream.sender, Failure(message, code))
+        with self._streams_lock:
+            self._streams.pop(stream.request_id, None)
+        return True
+
+    def _on_engine_death(self, reason: str) -> None:
+        """Loop thread, dying: make Triton stop routing here, as vllm_backend's health check does."""
+        self._logger.log_error(f"[pagedllm] {reason}; unloading model {self._model_name!r}")
+        try:
+            pb_utils.unload_model(self._model_name)  # returns at once; Triton unloads us later
+        except Exception as error:  # only allowed with --model-control-mode=explicit
+            self._logger.log_warn(f"[pagedllm] could not unload the model ({error}): it stays listed as ready "
+                                  "and answers UNAVAILABLE")
 
     def _push(self, key: str, sender: Any, item: Data | Failure) -> None:
         try:
@@ -150,11 +216,13 @@ class TritonPythonModel:
 
     def _on_output(self, stream: _Stream, output: RequestOutput) -> None:
         """Loop thread: build the tensors now (cheap), send them from the sender thread."""
+        if stream.ended:
+            return
         if output.finished and any(delta.finish_reason == "abort" for delta in output.outputs):
             self._end_with_error(stream, "request was cancelled", "CANCELLED")
             return
-        if output.finished:
-            self._watcher.unregister(stream.request_id)
+        if output.finished and not self._claim_end(stream):
+            return
         tensors = stream.assembler.add(output)
         if tensors is not None or output.finished:
             self._push(stream.request_id, stream.sender, Data(tensors, output.finished))
@@ -179,9 +247,17 @@ class TritonPythonModel:
             self._logger.log_verbose(f"[pagedllm] could not send an error response: {error}")
 
     def finalize(self) -> None:
+        """End every in-flight request with a final response and stop, within ``FINALIZE_BUDGET_S``."""
         self._logger.log_info("[pagedllm] stopping")
-        self._loop.stop()  # in-flight requests get a final error response queued on the dispatcher
-        self._dispatcher.close()
-        self._watcher.close()
+        deadline = time.monotonic() + FINALIZE_BUDGET_S
+        # The loop fails its in-flight requests as it stops; if a step is stuck, we do it here.
+        if not self._loop.stop(timeout_s=0.5 * FINALIZE_BUDGET_S):
+            self._logger.log_error("[pagedllm] engine loop did not stop in time; ending its requests here")
+        with self._streams_lock:
+            left = list(self._streams.values())
+        for stream in left:
+            self._end_with_error(stream, "the model is shutting down", "UNAVAILABLE")
+        self._dispatcher.close(timeout_s=max(0.1, deadline - time.monotonic() - 1.0))
+        self._watcher.close(timeout_s=0.5)
         if self._metrics is not None:
-            self._metrics.close()
+            self._metrics.close(timeout_s=0.5)

@@ -1,14 +1,36 @@
-"""User-facing sampling parameters (vLLM-compatible names), validated on construction."""
+"""User-facing sampling parameters (vLLM-compatible names), validated on construction.
+
+Every problem raises ``ValueError`` naming the field. Limits this file sets itself
+(the engine adds the ones that depend on the model: vocabulary, ``max_model_len``,
+``max_num_seqs``, the KV pool, ``MAX_LOGPROBS``):
+
+* float fields must be finite: ``NaN`` and ``Infinity`` are rejected;
+* ``temperature`` below ``GREEDY_TEMPERATURE`` (1e-5) samples greedily, as in vLLM:
+  dividing logits by a temperature that small overflows and yields NaN probabilities;
+* ``stop`` holds at most ``MAX_STOP_STRINGS`` (64) strings of at most
+  ``MAX_STOP_STRING_CHARS`` (1024) characters each, and ``stop_token_ids`` at most
+  ``MAX_STOP_TOKEN_IDS`` (1024) ids: every stop is checked after every token, so an
+  unbounded list would let one request slow every step.
+
+To add a field, declare it with its type and default; ``from_dict`` and the type
+checks follow the annotation, and range rules go in ``_validate``.
+"""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+GREEDY_TEMPERATURE = 1e-5
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 _DEFAULT_MAX_TOKENS = 16
 
 
@@ -16,9 +38,9 @@ _DEFAULT_MAX_TOKENS = 16
 class SamplingParams:
     """How to pick tokens and when to stop, for one request.
 
-    ``temperature == 0`` means greedy. ``top_k == -1`` and ``top_p == 1`` and
-    ``min_p == 0`` disable those filters. ``seed`` makes a request's samples
-    independent of whatever else shares its batch.
+    ``temperature`` below 1e-5 (0 included) means greedy. ``top_k == -1`` and
+    ``top_p == 1`` and ``min_p == 0`` disable those filters. ``seed`` makes a
+    request's samples independent of whatever else shares its batch.
     """
 
     n: int = 1
@@ -42,8 +64,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name, hint in _field_types().items():
+            object.__setattr__(self, name, _checked_type(name, hint, getattr(self, name)))
         self._validate()
 
     def _validate(self) -> None:
@@ -62,12 +84,19 @@ class SamplingParams:
             "min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})",
         )
         _check(self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, "must be >= 0")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"<{len(self.stop)} strings>",
+               f"at most {MAX_STOP_STRINGS} stop strings")
         _check(all(s for s in self.stop), "stop", self.stop, "must not contain empty strings")
+        longest = max((len(s) for s in self.stop), default=0)
+        _check(longest <= MAX_STOP_STRING_CHARS, "stop", f"<a {longest}-character string>",
+               f"each stop string has at most {MAX_STOP_STRING_CHARS} characters")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               f"<{len(self.stop_token_ids)} ids>", f"at most {MAX_STOP_TOKEN_IDS} ids")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids, "must be >= 0")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> SamplingParams:
@@ -75,22 +104,68 @@ class SamplingParams:
 
         Raises ``ValueError`` naming the field for unknown keys and bad types.
         """
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - set(known))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(str(key) for key in set(values) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s) {unknown}; allowed: {sorted(known)}")
-        hints = typing.get_type_hints(cls)
+        hints = _field_types()
         return cls(**{name: _coerce(name, hints[name], value) for name, value in values.items()})
+
+
+@functools.cache
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(SamplingParams)
 
 
 def _check(ok: bool, name: str, value: object, rule: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name}={value!r} is invalid: {rule}")
+        raise ValueError(f"SamplingParams.{name}={_shown(value)} is invalid: {rule}")
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _options(hint: Any) -> tuple[Any, ...]:
+    return typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+
+
+def _checked_type(name: str, hint: Any, value: Any) -> Any:
+    """``value`` if it has the field's declared type (ints widen to float, lists to tuples), else raise."""
+    options = _options(hint)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ValueError(f"SamplingParams.{name} must not be None")
+    for kind in (o for o in options if o is not type(None)):
+        if kind is bool and isinstance(value, bool):
+            return value
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not _finite(value):
+                raise ValueError(f"SamplingParams.{name}={_shown(value)} is invalid: must be a finite number")
+            return float(value)
+        if typing.get_origin(kind) is tuple and isinstance(value, (list, tuple)):
+            (item,) = {a for a in typing.get_args(kind) if a is not Ellipsis}
+            return tuple(_checked_type(f"{name}[{i}]", item, v) for i, v in enumerate(value))
+        if kind is str and isinstance(value, str):
+            return value
+    expected = " or ".join(getattr(o, "__name__", str(o)) for o in options)
+    raise ValueError(f"SamplingParams.{name}={_shown(value)} has the wrong type: expected {expected}")
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _coerce(name: str, hint: Any, value: Any) -> Any:
     """Convert one JSON value to the field's declared type, or raise naming the field."""
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    options = _options(hint)
     if value is None:
         if type(None) in options:
             return None
@@ -99,9 +174,9 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
     for option in (o for o in options if o is not type(None)):
         try:
             return _coerce_to(option, value)
-        except (TypeError, ValueError) as error:
+        except (TypeError, ValueError, OverflowError) as error:
             errors.append(str(error))
-    raise ValueError(f"SamplingParams.{name}={value!r} has the wrong type: {'; '.join(errors)}")
+    raise ValueError(f"SamplingParams.{name}={_shown(value)} has the wrong type: {'; '.join(errors)}")
 
 
 def _coerce_to(kind: Any, value: Any) -> Any:
@@ -118,7 +193,7 @@ def _coerce_to(kind: Any, value: Any) -> Any:
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        if isinstance(value, str):
+        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
             return int(value.strip())
         raise TypeError("expected an integer")
     if kind is float:
@@ -131,15 +206,31 @@ def _coerce_to(kind: Any, value: Any) -> Any:
         raise TypeError("expected a number")
     if typing.get_origin(kind) is tuple:
         (item,) = {a for a in typing.get_args(kind) if a is not Ellipsis}
-        if isinstance(value, str):
-            parsed = json.loads(value) if value.strip().startswith("[") else [value]
-        else:
-            parsed = value
-        if not isinstance(parsed, (list, tuple)):
+        items = _list_from_text(value, item) if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
             raise TypeError("expected a list")
-        return tuple(_coerce_to(item, v) for v in parsed)
+        return tuple(_coerce_to(item, v) for v in items)
     if kind is str:
         if isinstance(value, str):
             return value
         raise TypeError("expected a string")
     raise TypeError(f"unsupported field type {kind}")
+
+
+def _list_from_text(text: str, item: Any) -> list[Any]:
+    """A list sent as JSON text (as genai-perf does), else the text as the list's one element.
+
+    For strings the text counts as a list only when it parses as a JSON list of
+    strings, so any stop string (``"[INST]"``, ``"[1, 2]"``) can be sent as itself.
+    """
+    if not text.lstrip().startswith("["):
+        return [text]
+    try:
+        parsed = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as error:
+        if item is str:
+            return [text]
+        raise ValueError(f"not a JSON list ({error})") from None
+    if item is str and not (isinstance(parsed, list) and all(isinstance(v, str) for v in parsed)):
+        return [text]
+    return parsed if isinstance(parsed, list) else [text]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from pagedllm.engine.engine_loop import EngineLoop, RequestTiming
+from pagedllm.engine.engine_loop import EngineLoop, EngineUnavailable, FailureKind, RequestTiming
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -28,6 +28,8 @@ class FakeEngine:
         self.fail_on_prompt = fail_on_prompt
         self.thread_ids: set[int] = set()
         self.frozen = False  # while True, steps make no progress (keeps requests in flight)
+        self.faulty_prompt: str | None = None  # such a request is ended alone with RequestOutput.error
+        self.broken = False  # while True, has_unfinished_requests raises (kills the loop)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         self.thread_ids.add(threading.get_ident())
@@ -43,6 +45,8 @@ class FakeEngine:
             self.active[request_id][3] = True
 
     def has_unfinished_requests(self) -> bool:
+        if self.broken:
+            raise RuntimeError("engine state corrupted")
         self.idle_checks += 1
         return bool(self.active)
 
@@ -63,6 +67,10 @@ class FakeEngine:
                 continue
             if self.frozen:
                 continue
+            if prompt == self.faulty_prompt:
+                outputs.append(RequestOutput(request_id, prompt, (1, 2, 3), (), True, error="token 7 is cursed"))
+                del self.active[request_id]
+                continue
             state[2] = produced + 1
             done = state[2] >= params.max_tokens
             deltas = tuple(CompletionDelta(i, f"{prompt}{produced} ", (1000 + produced,), -0.5 * state[2], None,
@@ -80,6 +88,7 @@ class Collector:
     def __init__(self) -> None:
         self.outputs: list[RequestOutput] = []
         self.errors: list[str] = []
+        self.kinds: list[FailureKind] = []
         self.done = threading.Event()
 
     def on_output(self, output: RequestOutput) -> None:
@@ -87,8 +96,9 @@ class Collector:
         if output.finished:
             self.done.set()
 
-    def on_error(self, message: str) -> None:
+    def on_error(self, message: str, kind: FailureKind) -> None:
         self.errors.append(message)
+        self.kinds.append(kind)
         self.done.set()
 
     def text(self, index: int = 0) -> str:
@@ -203,10 +213,12 @@ def test_stop_fails_in_flight_requests_and_refuses_new_ones() -> None:
     loop.stop()
     assert not loop.running
     assert with_error.errors == ["the model is shutting down"]
+    assert with_error.kinds == [FailureKind.UNAVAILABLE]
     final = without_error.outputs[-1]
     assert final.finished and {d.finish_reason for d in final.outputs} <= {"abort"}
     assert engine.active == {}
-    with pytest.raises(RuntimeError, match="not running"):
+    assert not loop.healthy and "shutting down" in loop.error
+    with pytest.raises(EngineUnavailable, match="not running"):
         loop.submit("c", "c", SamplingParams(max_tokens=1), Collector().on_output)
 
 
@@ -218,6 +230,7 @@ def test_engine_failure_fails_in_flight_requests_but_not_the_loop() -> None:
         loop.submit("x", "boom", SamplingParams(max_tokens=3), doomed.on_output, on_error=doomed.on_error)
         assert doomed.done.wait(5)
         assert doomed.errors and "simulated kernel failure" in doomed.errors[0]
+        assert doomed.kinds == [FailureKind.ENGINE]
         engine.fail_on_prompt = None
         healthy = Collector()
         loop.submit("y", "ok", SamplingParams(max_tokens=2), healthy.on_output)
@@ -252,6 +265,93 @@ def test_idle_loop_sleeps_instead_of_spinning(loop_and_engine) -> None:
     checks, steps = engine.idle_checks, engine.steps
     time.sleep(0.3)
     assert (engine.idle_checks, engine.steps) == (checks, steps)
+
+
+def test_a_stalled_engine_is_not_spun_and_still_sees_aborts(loop_and_engine) -> None:
+    loop, engine = loop_and_engine
+    engine.frozen = True  # work that cannot move: each step schedules nothing
+    sink = Collector()
+    loop.submit("stuck", "a", SamplingParams(max_tokens=50), sink.on_output)
+    time.sleep(0.2)
+    steps = engine.steps
+    time.sleep(1.0)
+    assert engine.steps - steps <= 4  # a retry every STALLED_RETRY_S (0.5 s), not a spin
+    loop.abort("stuck")
+    assert sink.done.wait(5)
+    assert sink.outputs[-1].outputs[0].finish_reason == "abort"
+
+
+def test_a_new_request_wakes_a_stalled_loop(loop_and_engine) -> None:
+    loop, engine = loop_and_engine
+    engine.frozen = True
+    loop.submit("stuck", "a", SamplingParams(max_tokens=50), Collector().on_output)
+    time.sleep(0.1)
+    engine.frozen = False
+    sink = Collector()
+    loop.submit("fresh", "b", SamplingParams(max_tokens=2), sink.on_output)
+    assert sink.done.wait(5)
+    assert sink.text() == "b0 b1 "
+
+
+def test_a_request_the_engine_ended_alone_gets_only_its_error(loop_and_engine) -> None:
+    loop, engine = loop_and_engine
+    engine.faulty_prompt = "bad"
+    doomed, healthy = Collector(), Collector()
+    loop.submit("x", "bad", SamplingParams(max_tokens=3), doomed.on_output, on_error=doomed.on_error)
+    loop.submit("y", "ok", SamplingParams(max_tokens=3), healthy.on_output, on_error=healthy.on_error)
+    assert doomed.done.wait(5) and healthy.done.wait(5)
+    assert doomed.errors == ["token 7 is cursed"] and doomed.kinds == [FailureKind.REQUEST]
+    assert doomed.outputs == []
+    assert healthy.errors == [] and healthy.text() == "ok0 ok1 ok2 "
+
+
+def test_without_on_error_the_engine_error_output_is_delivered(loop_and_engine) -> None:
+    loop, engine = loop_and_engine
+    engine.faulty_prompt = "bad"
+    sink = Collector()
+    loop.submit("x", "bad", SamplingParams(max_tokens=3), sink.on_output)
+    assert sink.done.wait(5)
+    assert sink.outputs[-1].error == "token 7 is cursed" and sink.outputs[-1].finished
+
+
+def test_a_dead_loop_fails_its_requests_reports_why_and_refuses_new_ones() -> None:
+    engine = FakeEngine()
+    engine.frozen = True
+    deaths: list[str] = []
+    loop = EngineLoop(engine, on_death=deaths.append).start()
+    sink = Collector()
+    loop.submit("a", "a", SamplingParams(max_tokens=50), sink.on_output, on_error=sink.on_error)
+    assert loop.healthy and loop.error is None
+    engine.broken = True
+    loop.abort("nothing")  # wakes the loop, which then trips over the engine
+    assert sink.done.wait(5)
+    assert sink.kinds == [FailureKind.UNAVAILABLE] and "engine state corrupted" in sink.errors[0]
+    deadline = time.monotonic() + 5
+    while loop.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not loop.healthy and "engine loop died" in loop.error and "engine state corrupted" in loop.error
+    assert deaths == [loop.error]
+    with pytest.raises(EngineUnavailable, match="engine state corrupted"):
+        loop.submit("b", "b", SamplingParams(max_tokens=1), Collector().on_output)
+    assert loop.stop(timeout_s=1)
+
+
+def test_stop_is_bounded_when_a_step_hangs() -> None:
+    release = threading.Event()
+
+    class HangingEngine(FakeEngine):
+        def step(self) -> list[RequestOutput]:
+            release.wait(10)
+            return super().step()
+
+    loop = EngineLoop(HangingEngine()).start()
+    loop.submit_nowait("a", "a", SamplingParams(max_tokens=5), Collector().on_output)
+    time.sleep(0.1)
+    try:
+        assert loop.stop(timeout_s=0.2) is False
+        assert not loop.healthy
+    finally:
+        release.set()
 
 
 def test_on_step_reports_stats_and_finished_request_timings() -> None:

@@ -6,10 +6,21 @@ the engine's verdict on the request, so bad input raises ``ValueError`` in the
 caller and never reaches (or stops) the loop; ``submit_nowait`` returns that
 verdict as a future instead. Outputs are delivered by calling the request's
 ``on_output`` on the loop thread, so callbacks must be quick (hand heavy work to
-another thread). When idle the thread sleeps on a condition variable.
+another thread).
+
+Liveness: the thread never spins. With no work it sleeps until a submission, an
+abort or ``stop``. With work that cannot move (a step that scheduled nothing: no
+outputs and no change in the engine's progress counters, see ``_progress``) it
+sleeps the same way, waking every ``STALLED_RETRY_S`` only to read cancellation
+flags and retry once. Failures: a request the engine ended alone
+(``RequestOutput.error``) fails only that request; a step that raises fails every
+in-flight request and the loop carries on; if the loop itself dies, ``healthy``
+turns False, ``error`` says why, every caller gets ``on_error`` and new
+submissions raise ``EngineUnavailable``.
 """
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -23,8 +34,28 @@ from pagedllm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+STALLED_RETRY_S = 0.5
+# Engine counters that change whenever a step computes anything (blocks move with every
+# prefill chunk); prefix-cache lookup counters are left out: a blocked queue head may
+# be looked up again by a step that schedules nothing.
+_PROGRESS_FIELDS = ("num_blocks_used", "num_blocks_free", "num_running", "num_waiting", "num_preemptions",
+                    "prompt_tokens_total", "generation_tokens_total")
+
+
+class FailureKind(enum.Enum):
+    """Why a request ended without finishing, for ``on_error``."""
+
+    REQUEST = "request"  # the engine ended this request alone because it faulted
+    ENGINE = "engine"  # a step failed and the fault could not be pinned on one request
+    UNAVAILABLE = "unavailable"  # the loop stopped or died
+
+
+class EngineUnavailable(RuntimeError):
+    """The loop is not serving (stopped or dead); the message says why."""
+
+
 OnOutput = Callable[[RequestOutput], None]
-OnError = Callable[[str], None]
+OnError = Callable[[str, FailureKind], None]
 IsCancelled = Callable[[], bool]
 
 
@@ -69,6 +100,7 @@ class RequestTiming:
 
 
 OnStep = Callable[[object, Sequence[RequestTiming]], None]
+OnDeath = Callable[[str], None]
 
 
 @dataclass(slots=True)
@@ -98,21 +130,27 @@ class _Submission:
 class EngineLoop:
     """Owns ``engine`` and steps it on a daemon thread; see the module docstring.
 
-    ``on_step(stats, finished_timings)`` runs on the loop thread after every step
-    (and once at start) with ``engine.stats()``; metrics publishers hook in there.
+    ``on_step(stats, finished_timings)`` runs on the loop thread after every step,
+    once at start and whenever the engine goes idle, with ``engine.stats()``;
+    metrics publishers hook in there. ``on_death(reason)`` runs on the dying thread
+    if the loop dies, after every request has been failed (a server marks itself
+    not ready there).
     """
 
-    def __init__(self, engine: EngineLike, *, on_step: OnStep | None = None,
+    def __init__(self, engine: EngineLike, *, on_step: OnStep | None = None, on_death: OnDeath | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
         self._on_step = on_step
+        self._on_death = on_death
         self._clock = clock
         self._wakeup = threading.Condition()
         self._submissions: list[_Submission] = []
         self._aborts: list[str] = []
         self._stopping = False
+        self._death: str | None = None  # why the thread died, once it has
         self._thread: threading.Thread | None = None
         self._in_flight: dict[str, _Tracked] = {}  # loop thread only
+        self._progress: tuple[object, ...] | None = None  # loop thread only
 
     def start(self) -> EngineLoop:
         if self._thread is not None:
@@ -125,6 +163,22 @@ class EngineLoop:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def healthy(self) -> bool:
+        """Started, not stopping, and the thread is alive."""
+        return self.error is None
+
+    @property
+    def error(self) -> str | None:
+        """Why the loop does not take requests (never started, stopping, or died), or None when it does."""
+        if self._death is not None:
+            return self._death
+        if self._thread is None:
+            return "engine loop is not running: not started"
+        if self._stopping or not self._thread.is_alive():
+            return "engine loop is not running: the model is shutting down"
+        return None
+
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, on_output: OnOutput, *,
                on_error: OnError | None = None, is_cancelled: IsCancelled | None = None) -> None:
         """Hand a request to the engine; raises the engine's ``ValueError`` for bad input."""
@@ -135,15 +189,19 @@ class EngineLoop:
                       on_error: OnError | None = None, is_cancelled: IsCancelled | None = None) -> Future[None]:
         """Queue a request; the future resolves once the engine accepted it or fails with its ``ValueError``.
 
-        ``on_error(message)`` (if given) replaces the final ``"abort"`` output when the request
-        ends because the loop stopped or the engine failed. ``is_cancelled()`` is polled before
-        every step; once it returns True the request is aborted.
+        ``on_error(message, kind)`` (if given) replaces the final output when the request
+        ends without finishing: the engine faulted on it, a step failed, or the loop
+        stopped or died; without it such a request ends with an ``"abort"`` output (or
+        the engine's output carrying ``error``). ``is_cancelled()`` is polled before
+        every step; once it returns True the request is aborted. Raises
+        ``EngineUnavailable`` when the loop does not take requests.
         """
         tracked = _Tracked(request_id, params, on_output, on_error, is_cancelled, arrival=self._clock())
         verdict: Future[None] = Future()
         with self._wakeup:
-            if self._stopping or not self.running:
-                raise RuntimeError("engine loop is not running")
+            reason = self.error
+            if reason is not None:
+                raise EngineUnavailable(reason)
             self._submissions.append(_Submission(tracked, prompt, verdict))
             self._wakeup.notify()
         return verdict
@@ -154,27 +212,61 @@ class EngineLoop:
             self._aborts.append(request_id)
             self._wakeup.notify()
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop the thread; in-flight and queued requests end with an error (or ``"abort"``) callback."""
+    def stop(self, timeout_s: float = 30.0) -> bool:
+        """Stop the thread; in-flight and queued requests end with an error (or ``"abort"``) callback.
+
+        Returns whether the thread stopped within ``timeout_s``; it does not when a
+        step is stuck, and then the caller must end its requests itself.
+        """
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                log.error("engine loop did not stop within %.0f s", timeout_s)
+        if self._thread is None:
+            return True
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error("engine loop did not stop within %.1f s", timeout_s)
+            return False
+        return True
 
     # ---- loop thread ----
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as error:  # a bug in the loop or the engine: callers must learn it, not hang
+            log.exception("engine loop died")
+            with self._wakeup:
+                self._death = f"engine loop died: {type(error).__name__}: {error}"
+                pending, self._submissions = self._submissions, []
+            self._abandon(pending, self._death)
+            if self._on_death is not None:
+                try:
+                    self._on_death(self._death)
+                except Exception:
+                    log.exception("on_death callback failed")
+            return
+        with self._wakeup:
+            pending, self._submissions = self._submissions, []
+        for submission in pending:
+            submission.verdict.set_exception(EngineUnavailable("engine loop stopped before the request was admitted"))
+        self._fail_all("the model is shutting down", FailureKind.UNAVAILABLE)
+
+    def _serve(self) -> None:
         self._publish_stats([])
+        stalled = False
+        idle_published = True
         while True:
             with self._wakeup:
-                while not (self._stopping or self._submissions or self._aborts
-                           or self.engine.has_unfinished_requests()):
-                    self._wakeup.wait()
+                if stalled:
+                    if not (self._stopping or self._submissions or self._aborts):
+                        self._wakeup.wait(STALLED_RETRY_S)
+                else:
+                    while not (self._stopping or self._submissions or self._aborts
+                               or self.engine.has_unfinished_requests()):
+                        self._wakeup.wait()
                 if self._stopping:
-                    break
+                    return
                 submissions, self._submissions = self._submissions, []
                 aborts, self._aborts = self._aborts, []
             self._admit(submissions)
@@ -182,8 +274,12 @@ class EngineLoop:
                 self._abort(request_id)
             self._poll_cancellations()
             if self.engine.has_unfinished_requests():
-                self._step()
-        self._shutdown()
+                stalled = not self._step()
+                idle_published = False
+            elif not idle_published:
+                stalled = False
+                idle_published = True
+                self._publish_stats([])  # an idle server shows its freed blocks at once
 
     def _admit(self, submissions: list[_Submission]) -> None:
         for submission in submissions:
@@ -221,13 +317,15 @@ class EngineLoop:
             if cancelled:
                 self._abort(tracked.request_id)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step; returns whether it made progress (False: it scheduled nothing)."""
+        before = self._progress
         try:
             outputs = self.engine.step()
         except Exception as error:
             log.exception("engine.step failed; failing every in-flight request")
-            self._fail_all(f"engine step failed: {error}")
-            return
+            self._fail_all(f"engine step failed: {error}", FailureKind.ENGINE)
+            return True
         now = self._clock()
         finished: list[RequestTiming] = []
         for output in outputs:
@@ -238,8 +336,12 @@ class EngineLoop:
             if output.finished:
                 del self._in_flight[output.request_id]
                 finished.append(self._timing(tracked, now))
-            self._deliver(tracked, output)
+            if output.error is not None:
+                self._fail(tracked, output.error, FailureKind.REQUEST, output)
+            else:
+                self._deliver(tracked, output)
         self._publish_stats(finished)
+        return bool(outputs) or self._progress != before
 
     def _account(self, tracked: _Tracked, output: RequestOutput, now: float) -> None:
         tracked.num_prompt_tokens = len(output.prompt_token_ids)
@@ -265,15 +367,31 @@ class EngineLoop:
             if not output.finished:
                 self._abort(tracked.request_id)
 
+    def _fail(self, tracked: _Tracked, message: str, kind: FailureKind, output: RequestOutput | None = None) -> None:
+        """End one request with ``on_error``, or (without one) with ``output`` or an ``"abort"`` output."""
+        if tracked.on_error is None:
+            self._deliver(tracked, output if output is not None else _abort_output(tracked))
+            return
+        try:
+            tracked.on_error(message, kind)
+        except Exception:
+            log.exception("on_error callback failed for request %s", tracked.request_id)
+
     def _publish_stats(self, finished: Sequence[RequestTiming]) -> None:
+        try:
+            stats = self.engine.stats()
+        except Exception:
+            log.exception("engine.stats failed")
+            return
+        self._progress = tuple(getattr(stats, name, None) for name in _PROGRESS_FIELDS)
         if self._on_step is None:
             return
         try:
-            self._on_step(self.engine.stats(), finished)
+            self._on_step(stats, finished)
         except Exception:
             log.exception("on_step callback failed")
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, kind: FailureKind) -> None:
         """End every in-flight request with an error, and free its engine state as far as possible."""
         failed, self._in_flight = list(self._in_flight.values()), {}
         now = self._clock()
@@ -282,13 +400,7 @@ class EngineLoop:
                 self.engine.abort_request(tracked.request_id)
             except Exception:
                 log.exception("engine.abort_request failed for %s", tracked.request_id)
-            if tracked.on_error is not None:
-                try:
-                    tracked.on_error(message)
-                except Exception:
-                    log.exception("on_error callback failed for request %s", tracked.request_id)
-            else:
-                self._deliver(tracked, _abort_output(tracked))
+            self._fail(tracked, message, kind)
         # Let the engine release the aborted requests' blocks; their outputs are no longer wanted.
         for _ in range(4):
             if not self.engine.has_unfinished_requests():
@@ -300,12 +412,13 @@ class EngineLoop:
                 break
         self._publish_stats([self._timing(tracked, now) for tracked in failed])
 
-    def _shutdown(self) -> None:
-        with self._wakeup:
-            pending, self._submissions = self._submissions, []
+    def _abandon(self, pending: list[_Submission], reason: str) -> None:
+        """After the loop died: fail everything without touching the engine, whose state is suspect."""
         for submission in pending:
-            submission.verdict.set_exception(RuntimeError("engine loop stopped before the request was admitted"))
-        self._fail_all("the model is shutting down")
+            submission.verdict.set_exception(EngineUnavailable(reason))
+        failed, self._in_flight = list(self._in_flight.values()), {}
+        for tracked in failed:
+            self._fail(tracked, reason, FailureKind.UNAVAILABLE)
 
 
 def _abort_output(tracked: _Tracked) -> RequestOutput:

@@ -41,11 +41,11 @@ class CancellationWatcher:
             self._probes.pop(key, None)
             self._cancelled.discard(key)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
         with self._changed:
             self._closing = True
             self._changed.notify()
-        self._thread.join(5)
+        self._thread.join(timeout_s)
 
     def _run(self) -> None:
         while True:

@@ -112,12 +112,12 @@ class TritonMetrics:
             self._timings.extend(finished)
             self._changed.notify()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
         """Publish what is pending and stop the publisher thread."""
         with self._changed:
             self._closing = True
             self._changed.notify()
-        self._thread.join(10)
+        self._thread.join(timeout_s)
 
     def _run(self) -> None:
         while True:

@@ -11,6 +11,10 @@ Decisions where vllm_backend is loose:
   otherwise from the request parameters (the HTTP generate endpoint puts unknown
   JSON keys there); they are never merged. ``null`` values mean "use the default",
   as in vllm_backend; unknown keys are errors.
+* the prompt's UTF-8 size is capped by ``max_prompt_bytes`` (the model passes
+  ``max_model_len * MAX_PROMPT_BYTES_PER_TOKEN``): no tokenizer packs more than that many
+  bytes into a token on real text, and rejecting a huge prompt here spares the engine
+  thread from tokenizing megabytes before it can say the prompt is too long.
 * ``exclude_input_in_output`` defaults to False without streaming (the prompt is
   prepended) and to True with streaming; asking for the prompt in a stream is an
   error, as in vllm_backend. Without streaming and ``n > 1`` every one of the n
@@ -52,6 +56,7 @@ OUTPUT_SPECS: tuple[dict[str, Any], ...] = (
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
 )
 INPUT_NAMES = tuple(spec["name"] for spec in INPUT_SPECS)
+MAX_PROMPT_BYTES_PER_TOKEN = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,14 +81,15 @@ class GenerateRequest:
     returns: ReturnFlags
 
 
-def parse_request(inputs: Mapping[str, np.ndarray], parameters_json: str | None = None) -> GenerateRequest:
+def parse_request(inputs: Mapping[str, np.ndarray], parameters_json: str | None = None, *,
+                  max_prompt_bytes: int | None = None) -> GenerateRequest:
     """Validate ``inputs`` (tensor name -> array) and the request's parameters JSON."""
     unexpected = sorted(set(inputs) - set(INPUT_NAMES))
     if unexpected:
         raise ValueError(f"{unexpected[0]}: unknown input tensor; expected some of {list(INPUT_NAMES)}")
     if "text_input" not in inputs:
         raise ValueError("text_input: required input is missing")
-    prompt = _prompt(_single(inputs, "text_input"))
+    prompt = _prompt(_single(inputs, "text_input"), max_prompt_bytes)
     flags = {name: _bool(name, _single(inputs, name)) for name in BOOL_INPUTS if name in inputs}
     stream = flags.get("stream", False)
     exclude_input = flags.get("exclude_input_in_output")
@@ -104,6 +110,8 @@ def parse_sampling_parameters(text: str, field: str) -> SamplingParams:
         values = json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(f"{field}: not valid JSON ({error})") from error
+    except RecursionError:
+        raise ValueError(f"{field}: JSON nested too deeply") from None
     if not isinstance(values, dict):
         raise ValueError(f"{field}: must be a JSON object, got {type(values).__name__}")
     try:
@@ -130,10 +138,16 @@ def _text(name: str, value: Any) -> str:
     raise ValueError(f"{name}: expected a string, got {type(value).__name__}")
 
 
-def _prompt(value: Any) -> str:
+def _prompt(value: Any, max_bytes: int | None) -> str:
+    if max_bytes is not None and isinstance(value, (bytes, np.bytes_)) and len(value) > max_bytes:
+        raise ValueError(f"text_input: {len(value)} bytes is longer than any prompt the model takes "
+                         f"(at most {max_bytes} bytes)")
     prompt = _text("text_input", value)
     if not prompt:
         raise ValueError("text_input: must not be empty")
+    if max_bytes is not None and len(prompt) > max_bytes:
+        raise ValueError(f"text_input: {len(prompt)} characters is longer than any prompt the model takes "
+                         f"(at most {max_bytes} bytes)")
     return prompt
 
 

@@ -62,12 +62,14 @@ class ResponseDispatcher:
                 self._ready.append(key)
                 self._changed.notify()
 
-    def close(self) -> None:
-        """Send everything queued, then stop the thread."""
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Send everything queued (for at most ``timeout_s``), then stop the thread."""
         with self._changed:
             self._closing = True
             self._changed.notify()
-        self._thread.join(30)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error("response sender did not finish within %.1f s", timeout_s)
 
     def _run(self) -> None:
         while True:
