@@ -88,7 +88,7 @@ def null_model_step(n: int, prompt_len: int, steps: int, block_size: int, runner
         t1 = time.perf_counter()
         runner.prepare(out)
         t2 = time.perf_counter()
-        engine.advance(out)
+        scheduler.update_from_output(out, [7] * len(out.samples))
         t3 = time.perf_counter()
         if len(out.scheduled) != n or out.preempted:
             raise RuntimeError(f"expected {n} decodes and no preemption, got {len(out.scheduled)} scheduled")

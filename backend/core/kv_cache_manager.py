@@ -9,9 +9,9 @@ forgotten when it is handed out again.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from pagedllm.core.block_hash import BlockKey, block_key
 from pagedllm.core.request import Sequence
 
 
@@ -19,7 +19,12 @@ from pagedllm.core.request import Sequence
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None  # set once the block is full and its tokens computed
+    # Set once the block is full and its tokens computed. ``tokens`` and ``parent`` (the
+    # previous block's id and epoch) let a hit be verified, not just trusted to the key.
+    block_hash: BlockKey | None = None
+    tokens: tuple[int, ...] = ()
+    parent: tuple[int, int] | None = None
+    epoch: int = 0  # bumped whenever the block's cached content is forgotten
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +32,7 @@ class PrefixMatch:
     """Cached blocks that already hold the KV of a sequence's leading tokens."""
 
     blocks: tuple[Block, ...]
-    hashes: tuple[int, ...]
+    hashes: tuple[BlockKey, ...]
 
 
 NO_MATCH = PrefixMatch((), ())
@@ -42,7 +47,7 @@ class KVCacheManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # OrderedDict: O(1) pop of the least recently freed block and O(1) removal of a revived one.
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self._cached: dict[int, Block] = {}
+        self._cached: dict[BlockKey, Block] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self.peak_blocks_used = 0
         self.prefix_queried_tokens = 0
@@ -67,21 +72,24 @@ class KVCacheManager:
         """Longest run of cached full blocks equal to ``seq``'s leading tokens.
 
         The last token is never matched: its logits must be computed to sample.
+        A candidate is used only if it holds exactly these tokens after exactly
+        the blocks already matched, so a key collision costs a miss, never KV
+        computed for other tokens.
         """
         if not self.enable_prefix_caching:
             return NO_MATCH
-        self.prefix_queried_tokens += seq.num_tokens
         blocks: list[Block] = []
-        hashes: list[int] = []
-        parent: int | None = None
+        hashes: list[BlockKey] = []
+        key: BlockKey | None = None
         for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
-            parent = _chain_hash(parent, seq.token_ids[start : start + self.block_size])
-            block = self._cached.get(parent)
-            if block is None:
+            tokens = tuple(seq.token_ids[start : start + self.block_size])
+            key = block_key(key, tokens)
+            block = self._cached.get(key)
+            parent = (blocks[-1].block_id, blocks[-1].epoch) if blocks else None
+            if block is None or block.tokens != tokens or block.parent != parent:
                 break
             blocks.append(block)
-            hashes.append(parent)
-        self.prefix_hit_tokens += len(blocks) * self.block_size
+            hashes.append(key)
         return PrefixMatch(tuple(blocks), tuple(hashes))
 
     def allocate(self, seq: Sequence, num_new_tokens: int, match: PrefixMatch = NO_MATCH) -> bool:
@@ -98,6 +106,11 @@ class KVCacheManager:
         num_revived = sum(1 for b in match.blocks if b.ref_count == 0)
         if num_fresh + int(needs_copy) + num_revived > len(self._free):
             return False
+        if self.enable_prefix_caching and seq.num_computed_tokens == 0 and not seq.block_ids:
+            # Counted only for admitted sequences: a queue head that keeps failing to fit
+            # would otherwise be counted as a lookup every step.
+            self.prefix_queried_tokens += seq.num_tokens
+            self.prefix_hit_tokens += len(match.blocks) * self.block_size
         for block in match.blocks:
             self._reference(block)
         seq.block_ids.extend(b.block_id for b in match.blocks)
@@ -136,14 +149,22 @@ class KVCacheManager:
             return
         num_full = seq.num_computed_tokens // self.block_size
         for index in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
             start = index * self.block_size
-            block_hash = _chain_hash(parent, seq.token_ids[start : start + self.block_size])
-            seq.block_hashes.append(block_hash)
+            tokens = tuple(seq.token_ids[start : start + self.block_size])
+            key = block_key(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            seq.block_hashes.append(key)
             block = self.blocks[seq.block_ids[index]]
-            if block.block_hash is None and block_hash not in self._cached:
-                block.block_hash = block_hash
-                self._cached[block_hash] = block
+            if block.block_hash is not None or key in self._cached:
+                continue
+            # The parent is whichever block the cache holds for the previous key, as a
+            # later match will walk through that one.
+            parent = self._cached.get(seq.block_hashes[index - 1]) if index else None
+            if index and parent is None:
+                continue
+            block.block_hash = key
+            block.tokens = tokens
+            block.parent = None if parent is None else (parent.block_id, parent.epoch)
+            self._cached[key] = block
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """(source, destination) block copies the runner must do before this step's writes."""
@@ -152,7 +173,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         for block in self._cached.values():
-            block.block_hash = None
+            _forget(block)
         self._cached.clear()
 
     def _reference(self, block: Block) -> None:
@@ -164,7 +185,7 @@ class KVCacheManager:
         _, block = self._free.popitem(last=False)
         if block.block_hash is not None:
             del self._cached[block.block_hash]
-            block.block_hash = None
+            _forget(block)
         block.ref_count = 1
         return block
 
@@ -176,5 +197,9 @@ class KVCacheManager:
         seq.block_ids[index] = private.block_id
 
 
-def _chain_hash(parent: int | None, tokens: Seq[int]) -> int:
-    return hash((parent, tuple(tokens)))
+def _forget(block: Block) -> None:
+    """Drop a block's cached identity; blocks cached after it no longer verify against it."""
+    block.block_hash = None
+    block.tokens = ()
+    block.parent = None
+    block.epoch += 1

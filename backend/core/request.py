@@ -1,14 +1,19 @@
-"""A user's request and the sequences (one per sample) that the scheduler runs."""
+"""A user's request and the sequences (one per sample) that the scheduler runs.
+
+Plain bookkeeping only: token ids, block tables, status. What turns tokens into
+text (detokenizers) and what draws them (generators) belongs to the engine, so
+the scheduler's unit stays small and torch-free.
+"""
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
 
 
 class SequenceStatus(enum.Enum):
@@ -31,11 +36,9 @@ class Sequence:
     index: int  # which of the request's n samples
     token_ids: list[int]
     num_prompt_tokens: int
-    detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full, computed blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # chained keys of its full, computed blocks
     status: SequenceStatus = SequenceStatus.WAITING
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
@@ -61,9 +64,12 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
-    def needs_fork(self) -> bool:
-        """The request's first sample, about to sample its first token, with siblings still to spawn."""
-        return self.request.params.n > len(self.request.sequences) and self.num_output_tokens == 0
+    def pending_forks(self) -> int:
+        """Siblings this sequence will spawn when it samples its first token (``n > 1``)."""
+        request = self.request
+        if self.num_output_tokens > 0 or self is not request.sequences[0]:
+            return 0
+        return request.params.n - len(request.sequences)
 
 
 @dataclass(eq=False, slots=True)
@@ -80,3 +86,9 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return len(self.sequences) == self.params.n and all(s.is_finished for s in self.sequences)
+
+    def spawn(self, token_ids: list[int]) -> Sequence:
+        """A new sample of this request: the first holds the prompt, forks copy their parent's tokens."""
+        seq = Sequence(next(_seq_ids), self, len(self.sequences), token_ids, len(self.prompt_token_ids))
+        self.sequences.append(seq)
+        return seq

@@ -4,7 +4,7 @@ Single-threaded by design; ``EngineLoop`` runs it on a thread for servers.
 """
 from __future__ import annotations
 
-import itertools
+import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,18 +12,20 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
-from pagedllm.worker.attention_backend import select_attention_backend
 from pagedllm.config import EngineConfig
-from pagedllm.model_source import resolve_model_dir
-from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.worker.model_runner import ModelRunner
-from pagedllm.models import CausalLM, load_model
+from pagedllm.core.request import Request, Sequence
+from pagedllm.core.scheduler import Scheduler, SchedulerOutput, StopPolicy
+from pagedllm.engine.output_processor import NewToken, OutputProcessor
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
-from pagedllm.core.request import Request, Sequence, SequenceStatus
-from pagedllm.worker.sampler import SampledToken, Sampler, SamplingRow, make_generator
+from pagedllm.model_source import resolve_model_dir
+from pagedllm.models import CausalLM, load_model
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.core.scheduler import Scheduler, SchedulerOutput
+from pagedllm.worker.attention_backend import select_attention_backend
+from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.sampler import Sampler, SamplingRow, make_generator
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "default_model"
 MAX_LOGPROBS = 20
@@ -64,8 +66,7 @@ class LLMEngine:
             raise ValueError(f"model={str(model_dir)!r} is not a Hugging Face checkpoint directory (no config.json)")
         self.device = config.torch_device()
         torch.manual_seed(config.seed)
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
-            resolve_model_dir(config.tokenizer, config.revision, field="tokenizer") if config.tokenizer else model_dir)
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
         attention = select_attention_backend(
             self.device, {"auto": None, "triton": True, "torch": False}[config.attention_backend]
         )
@@ -78,12 +79,14 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, attention, num_blocks, config.block_size, self.dtype, self.device)
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, static_batching=config.scheduling == "static"
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+            StopPolicy(self.max_model_len, self.eos_token_ids), static_batching=config.scheduling == "static",
         )
         self.sampler = Sampler()
+        self.outputs = OutputProcessor(self.tokenizer)
         self._requests: dict[str, Request] = {}
+        self._generators: dict[int, torch.Generator | None] = {}
         self._pending_aborts: set[str] = set()
-        self._seq_ids = itertools.count()
         self._peak_tokens_held = 0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
@@ -95,7 +98,8 @@ class LLMEngine:
         prompt_ids, text = self._tokenize(prompt)
         self._validate(prompt_ids, params)
         request = Request(request_id, text, tuple(prompt_ids), params)
-        seq = self._new_sequence(request, 0, list(prompt_ids))
+        seq = request.spawn(list(prompt_ids))
+        self._track_sequence(seq)
         self._requests[request_id] = request
         self.scheduler.add(seq)
 
@@ -111,13 +115,20 @@ class LLMEngine:
         return bool(self._requests)
 
     def step(self) -> list[RequestOutput]:
+        """One iteration. Faults that one request causes end that request alone (``RequestOutput.error``);
+        a fault that cannot be attributed (the forward of the whole batch) raises."""
         deltas: dict[str, list[CompletionDelta]] = {}
+        errors: dict[str, str] = {}
         self._apply_aborts(deltas)
         if self.scheduler.has_work():
-            step = self.scheduler.schedule()
-            if step.scheduled:
-                self._run(step, deltas)
-        return [self._request_output(request_id, items) for request_id, items in deltas.items()]
+            out = self.scheduler.schedule()
+            for child in out.forked:
+                self._track_sequence(child)
+            if out.scheduled:
+                self._run(out, deltas, errors)
+        for request_id in errors:
+            deltas.setdefault(request_id, [])
+        return [self._request_output(request_id, items, errors.get(request_id)) for request_id, items in deltas.items()]
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -135,65 +146,70 @@ class LLMEngine:
             block_size=self.kv.block_size,
         )
 
-    def _run(self, step: SchedulerOutput, deltas: dict[str, list[CompletionDelta]]) -> None:
-        self._track_usage(step)
-        logits = self.runner.execute(step)
-        sampled = [item.seq for item in step.scheduled if item.completes_prefill]
-        for item in step.scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
-            self.kv.cache_full_blocks(item.seq)
-        rows: list[Sequence] = []
-        logit_rows: list[int] = []
-        for index, seq in enumerate(sampled):
-            family = [seq, *self._fork(seq)] if seq.needs_fork else [seq]
-            rows.extend(family)
-            logit_rows.extend([index] * len(family))
-        if len(rows) != len(sampled):
-            logits = logits[torch.tensor(logit_rows, device=logits.device)]
-        tokens = self.sampler(logits, [self._sampling_row(seq) for seq in rows])
-        for seq, token in zip(rows, tokens):
-            deltas.setdefault(seq.request.request_id, []).append(self._append(seq, token))
+    def _run(self, out: SchedulerOutput, deltas: dict[str, list[CompletionDelta]], errors: dict[str, str]) -> None:
+        self._track_usage(out)
+        logits = self.runner.execute(out)
+        if len(out.samples) != logits.shape[0]:
+            logits = logits[torch.tensor(out.sample_logit_rows, device=logits.device)]
+        tokens = self._sample(logits, out.samples, errors)
+        for seq, token in zip(out.samples, tokens):
+            if token is None:
+                self._fail(seq.request, errors[seq.request.request_id])
+        self.scheduler.update_from_output(out, [0 if token is None else token.token_id for token in tokens])
+        for seq, token in zip(out.samples, tokens):
+            if token is None or seq.request.request_id in errors:
+                continue
+            try:
+                delta = self._emit(seq, token)
+            except Exception as error:  # a detokenizer or stop-string fault is this request's alone
+                log.exception("output processing failed for request %s", seq.request.request_id)
+                errors[seq.request.request_id] = f"output processing failed: {error}"
+                self._fail(seq.request, errors[seq.request.request_id])
+                continue
+            deltas.setdefault(seq.request.request_id, []).append(delta)
 
-    def _append(self, seq: Sequence, token: SampledToken) -> CompletionDelta:
-        params = seq.request.params
-        if seq.num_output_tokens == 0 and seq.index == 0:
+    def _sample(self, logits: torch.Tensor, samples: Seq[Sequence], errors: dict[str, str]) -> list[NewToken | None]:
+        """One token per sample; a row whose parameters make the sampler fail gets None (and an error)."""
+        rows = [self._sampling_row(seq) for seq in samples]
+        try:
+            return [NewToken(t.token_id, t.logprob, t.top_logprobs) for t in self.sampler(logits, rows)]
+        except Exception:
+            log.exception("batched sampling failed; retrying row by row to find the faulty request")
+        tokens: list[NewToken | None] = []
+        for index, (seq, row) in enumerate(zip(samples, rows)):
+            try:
+                (t,) = self.sampler(logits[index : index + 1], [row])
+                tokens.append(NewToken(t.token_id, t.logprob, t.top_logprobs))
+            except Exception as error:
+                errors[seq.request.request_id] = f"sampling failed: {error}"
+                tokens.append(None)
+        return tokens
+
+    def _emit(self, seq: Sequence, token: NewToken) -> CompletionDelta:
+        if seq.num_output_tokens == 1 and seq.index == 0:
             self._prompt_tokens_total += seq.num_prompt_tokens
         self._generation_tokens_total += 1
-        seq.token_ids.append(token.token_id)
         seq.cumulative_logprob += token.logprob
-        stop_token = self._is_stop_token(seq, token.token_id)
-        # As in vLLM, the EOS / stop token that ends a sample is not part of its text.
-        if stop_token and not params.include_stop_str_in_output:
-            text, stop_string = "", None
-        else:
-            update = seq.detokenizer.update([token.token_id])
-            text, stop_string = update.text, update.stop_string
-        reason = "stop" if stop_token or stop_string is not None else self._length_reason(seq)
-        if reason is not None:
-            if stop_string is None:
-                text += seq.detokenizer.flush()
-            self._finish(seq, reason)
-        logprobs = (token.top_logprobs or {token.token_id: token.logprob},) if params.logprobs is not None else None
-        return CompletionDelta(seq.index, text, (token.token_id,), seq.cumulative_logprob, logprobs, reason)
+        processed = self.outputs.process(seq, token)
+        if processed.hit_stop_string:
+            if seq.is_finished:
+                seq.finish_reason = "stop"
+            else:
+                self.scheduler.finish(seq, "stop")
+        if seq.is_finished:
+            self._generators.pop(seq.seq_id, None)
+        return processed.delta
 
-    def _is_stop_token(self, seq: Sequence, token_id: int) -> bool:
-        params = seq.request.params
-        if seq.num_output_tokens < params.min_tokens:
-            return False
-        return token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos)
+    def _fail(self, request: Request, message: str) -> None:
+        """End every sample of ``request`` because it faulted; the rest of the batch carries on."""
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "error")
+            self._release(seq)
 
-    def _length_reason(self, seq: Sequence) -> str | None:
-        max_tokens = seq.request.params.max_tokens
-        if max_tokens is not None and seq.num_output_tokens >= max_tokens:
-            return "length"
-        if seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        self.scheduler.remove(seq)
+    def _release(self, seq: Sequence) -> str:
+        self._generators.pop(seq.seq_id, None)
+        return self.outputs.close(seq)
 
     def _apply_aborts(self, deltas: dict[str, list[CompletionDelta]]) -> None:
         for request_id in self._pending_aborts:
@@ -208,41 +224,22 @@ class LLMEngine:
                 text = ""
                 logprob = 0.0
                 if seq is not None:
-                    text = seq.detokenizer.flush()
+                    self.scheduler.finish(seq, "abort")
+                    text = self._release(seq)
                     logprob = seq.cumulative_logprob
-                    self._finish(seq, "abort")
                 deltas.setdefault(request_id, []).append(CompletionDelta(index, text, (), logprob, None, "abort"))
         self._pending_aborts.clear()
 
-    def _request_output(self, request_id: str, items: list[CompletionDelta]) -> RequestOutput:
+    def _request_output(self, request_id: str, items: list[CompletionDelta], error: str | None) -> RequestOutput:
         request = self._requests[request_id]
-        finished = request.is_finished or any(d.finish_reason == "abort" for d in items)
+        finished = request.is_finished or error is not None or any(d.finish_reason == "abort" for d in items)
         if finished:
             del self._requests[request_id]
-        return RequestOutput(request_id, request.prompt, request.prompt_token_ids, tuple(items), finished)
+        return RequestOutput(request_id, request.prompt, request.prompt_token_ids, tuple(items), finished, error)
 
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        request = parent.request
-        children = []
-        for index in range(len(request.sequences), request.params.n):
-            child = self._new_sequence(request, index, list(parent.token_ids))
-            self.kv.fork(parent, child)
-            self.scheduler.add_running(child)
-            children.append(child)
-        return children
-
-    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
-        seq = Sequence(
-            seq_id=next(self._seq_ids),
-            request=request,
-            index=index,
-            token_ids=token_ids,
-            num_prompt_tokens=len(request.prompt_token_ids),
-            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params),
-            generator=make_generator(request.params.seed, index, self.device),
-        )
-        request.sequences.append(seq)
-        return seq
+    def _track_sequence(self, seq: Sequence) -> None:
+        self._generators[seq.seq_id] = make_generator(seq.request.params.seed, seq.index, self.device)
+        self.outputs.add(seq)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         params = seq.request.params
@@ -250,13 +247,14 @@ class LLMEngine:
         if seq.num_output_tokens < params.min_tokens:
             eos = () if params.ignore_eos else tuple(self.eos_token_ids)
             suppressed = (*eos, *params.stop_token_ids)
-        return SamplingRow(params, seq.generator, seq.prompt_token_ids, seq.output_token_ids, suppressed)
+        return SamplingRow(params, self._generators.get(seq.seq_id), seq.prompt_token_ids, seq.output_token_ids,
+                           suppressed)
 
-    def _track_usage(self, step: SchedulerOutput) -> None:
+    def _track_usage(self, out: SchedulerOutput) -> None:
         if self.kv.num_used_blocks < self.kv.peak_blocks_used:
             return
         held = sum(seq.num_computed_tokens for seq in self.scheduler.running)
-        self._peak_tokens_held = held + step.num_tokens
+        self._peak_tokens_held = held + out.num_tokens
 
     def _tokenize(self, prompt: str | Seq[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -290,12 +288,25 @@ class LLMEngine:
             )
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs={params.logprobs} is invalid: at most {MAX_LOGPROBS}")
-        longest = len(prompt_ids) + (params.max_tokens if params.max_tokens is not None else room)
-        if self.kv.blocks_needed(longest) > self.kv.num_blocks:
+        if params.n > self.scheduler.max_num_seqs:
             raise ValueError(
-                f"request can never fit in the KV cache: {longest} tokens need "
-                f"{self.kv.blocks_needed(longest)} blocks of {self.kv.block_size}, "
-                f"the cache has {self.kv.num_blocks} (raise num_kv_blocks or lower max_tokens)"
+                f"n={params.n} is too large: its samples run side by side and max_num_seqs is "
+                f"{self.scheduler.max_num_seqs}"
+            )
+        vocab = self.model.vocab_size
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids contains ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        longest = len(prompt_ids) + (params.max_tokens if params.max_tokens is not None else room)
+        # Worst case: the samples share the prompt's full blocks and each holds the rest on its own.
+        shared = len(prompt_ids) // self.kv.block_size
+        needed = shared + params.n * (self.kv.blocks_needed(longest) - shared)
+        if needed > self.kv.num_blocks:
+            field = "max_tokens" if params.n == 1 else "n"
+            raise ValueError(
+                f"{field}: request can never fit in the KV cache: {params.n} sample(s) of up to {longest} tokens "
+                f"need {needed} blocks of {self.kv.block_size}, the cache has {self.kv.num_blocks} "
+                "(lower max_tokens or n, or raise num_kv_blocks)"
             )
 
     def _num_kv_blocks(self) -> int:

@@ -1,0 +1,65 @@
+"""Turns each sample's new token into a text delta: detokenization and stop strings.
+
+The scheduler ends samples at token-level stops (EOS, stop ids, lengths); stop
+strings are text, so they are found here and reported back to the engine,
+which ends the sample. One incremental detokenizer per live sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from pagedllm.core.request import Sequence
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.outputs import CompletionDelta
+
+
+@dataclass(frozen=True, slots=True)
+class NewToken:
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float] | None
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedToken:
+    delta: CompletionDelta
+    hit_stop_string: bool  # the engine must end the sample with reason "stop"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+
+    def add(self, seq: Sequence) -> None:
+        """Start decoding a new sample (its output is empty: forks happen before the first token)."""
+        request = seq.request
+        self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                                request.params)
+
+    def process(self, seq: Sequence, token: NewToken) -> ProcessedToken:
+        """The delta for ``token``, just appended to ``seq`` (which the scheduler may already have finished)."""
+        params = seq.request.params
+        detokenizer = self._detokenizers[seq.seq_id]
+        stop_token = seq.finish_reason == "stop"
+        # As in vLLM, the EOS / stop token that ends a sample is not part of its text.
+        if stop_token and not params.include_stop_str_in_output:
+            text, stop_string = "", None
+        else:
+            update = detokenizer.update([token.token_id])
+            text, stop_string = update.text, update.stop_string
+        reason = "stop" if stop_string is not None else seq.finish_reason
+        if reason is not None:
+            if stop_string is None:
+                text += detokenizer.flush()
+            del self._detokenizers[seq.seq_id]
+        logprobs = (token.top_logprobs or {token.token_id: token.logprob},) if params.logprobs is not None else None
+        delta = CompletionDelta(seq.index, text, (token.token_id,), seq.cumulative_logprob, logprobs, reason)
+        return ProcessedToken(delta, stop_string is not None)
+
+    def close(self, seq: Sequence) -> str:
+        """Release a sample that ends without a new token (abort, error); returns its held-back text."""
+        detokenizer = self._detokenizers.pop(seq.seq_id, None)
+        return "" if detokenizer is None else detokenizer.flush()
