@@ -44,6 +44,8 @@ class SchedulerOutput:
     # For each sample, the index of its logits row among the scheduled sequences that complete.
     sample_logit_rows: tuple[int, ...] = ()
     forked: tuple[Sequence, ...] = ()  # sequences created this step
+    # Sequences that finished since the previous step: the worker drops their persistent state.
+    finished_seq_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +96,7 @@ class Scheduler:
         # Slots promised to the siblings that running ``n > 1`` sequences will fork, so
         # forks never push ``running`` past ``max_num_seqs``.
         self._reserved_forks = 0
+        self._finished_seq_ids: list[int] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -110,6 +113,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.kv.free(seq)
+        self._finished_seq_ids.append(seq.seq_id)
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -185,8 +189,9 @@ class Scheduler:
                 samples.append(child)
                 rows.append(row)
                 forked.append(child)
+        finished, self._finished_seq_ids = tuple(self._finished_seq_ids), []
         return SchedulerOutput(scheduled, tuple(self.kv.take_pending_copies()), preempted,
-                               tuple(samples), tuple(rows), tuple(forked))
+                               tuple(samples), tuple(rows), tuple(forked), finished)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> None:
         # A static batch, once formed, admits nobody until all of it has finished; it
