@@ -52,6 +52,7 @@ from pagedllm.serving.request_codec import (
 )
 from pagedllm.serving.response_codec import ResponseAssembler, Tensors
 from pagedllm.serving.response_dispatcher import Data, Failure, ResponseDispatcher
+from pagedllm.serving import stop_signal
 
 
 FINALIZE_BUDGET_S = 10.0
@@ -113,6 +114,8 @@ class TritonPythonModel:
         self._streams_lock = threading.Lock()
         on_step = self._metrics.record if self._metrics is not None else None
         self._loop = EngineLoop(self._engine, on_step=on_step, on_death=self._on_engine_death).start()
+        if not stop_signal.watch(self._stop_serving):
+            self._logger.log_warn("[pagedllm] not on a backend stub's main thread: SIGTERM will not end requests early")
         self._logger.log_info(f"[pagedllm] ready: max_model_len={self._engine.max_model_len}, "
                               f"{self._engine.stats().num_blocks_total} KV blocks of {engine_config.block_size}")
 
@@ -246,10 +249,9 @@ class TritonPythonModel:
         except Exception as error:
             self._logger.log_verbose(f"[pagedllm] could not send an error response: {error}")
 
-    def finalize(self) -> None:
-        """End every in-flight request with a final response and stop, within ``FINALIZE_BUDGET_S``."""
-        self._logger.log_info("[pagedllm] stopping")
-        deadline = time.monotonic() + FINALIZE_BUDGET_S
+    def _stop_serving(self) -> None:
+        """End every in-flight request with an UNAVAILABLE error and refuse new ones (SIGTERM, finalize)."""
+        self._logger.log_info("[pagedllm] stopping: ending in-flight requests")
         # The loop fails its in-flight requests as it stops; if a step is stuck, we do it here.
         if not self._loop.stop(timeout_s=0.5 * FINALIZE_BUDGET_S):
             self._logger.log_error("[pagedllm] engine loop did not stop in time; ending its requests here")
@@ -257,6 +259,11 @@ class TritonPythonModel:
             left = list(self._streams.values())
         for stream in left:
             self._end_with_error(stream, "the model is shutting down", "UNAVAILABLE")
+
+    def finalize(self) -> None:
+        """End every in-flight request with a final response and stop, within ``FINALIZE_BUDGET_S``."""
+        deadline = time.monotonic() + FINALIZE_BUDGET_S
+        self._stop_serving()
         self._dispatcher.close(timeout_s=max(0.1, deadline - time.monotonic() - 1.0))
         self._watcher.close(timeout_s=0.5)
         if self._metrics is not None:

@@ -101,13 +101,22 @@ def _serve(args: argparse.Namespace, scratch: Path | None) -> int:
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
+        if stop.is_set():  # a second Ctrl-C: do not wait for the graceful stop
+            server.kill()
         stop.set()
 
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    # SIGTERM while loading acts as Ctrl-C does: start() stops the server before it re-raises.
+    previous_term = signal.signal(signal.SIGTERM, interrupt)
     try:
-        server.start()  # Ctrl-C while loading raises KeyboardInterrupt here, and start() stops the server
+        server.start()
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
     try:
         openai_server = _start_openai(args, server, openai_models) if openai_models is not None else None
     except BaseException as error:  # a port in use, or Ctrl-C: tritonserver must not outlive the launcher

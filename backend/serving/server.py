@@ -36,31 +36,48 @@ def _die_with_parent() -> None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _reap_stubs(group: int) -> None:
-    """Kill backend stubs a dead server left behind, and remove their shared-memory regions.
-
-    A server that exits without unloading its models (its exit timeout expired with
-    requests in flight, or it crashed) orphans its Python backend stubs: they stay
-    alive holding the model. They share the server's process group, and each names its
-    shared-memory region on its command line.
-    """
-    regions = []
+def _group_members(group: int) -> list[tuple[int, list[bytes]]]:
+    """(pid, command line) of every live process in process group ``group``."""
+    members = []
     for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
         if not entry.name.isdigit():
             continue
         try:
             if os.getpgid(int(entry.name)) != group:
                 continue
-            arguments = (entry / "cmdline").read_bytes().split(b"\0")
+            members.append((int(entry.name), (entry / "cmdline").read_bytes().split(b"\0")))
         except (ProcessLookupError, FileNotFoundError, PermissionError):
             continue
-        regions += [a.decode() for a in arguments if a.startswith(b"triton_") and b"shm_region" in a]
+    return members
+
+
+def _shm_regions(members: list[tuple[int, list[bytes]]]) -> list[str]:
+    """The shared-memory regions the Python backend stubs among ``members`` name on their command lines."""
+    return [a.decode() for _, arguments in members for a in arguments if a.startswith(b"triton_") and b"shm_region" in a]
+
+
+def _reap_stubs(group: int) -> None:
+    """Kill backend stubs a dead server left behind, and remove their shared-memory regions.
+
+    A server that exits without unloading its models (its exit timeout expired with
+    requests in flight, it crashed, or we killed it) orphans its Python backend stubs:
+    they stay alive holding the model. They share the server's process group, and each
+    names its shared-memory region on its command line.
+    """
+    regions = _shm_regions(_group_members(group))
     try:
         os.killpg(group, signal.SIGKILL)
     except ProcessLookupError:
         return  # the server shut down cleanly: nothing left in its group
     for region in regions:
         (Path("/dev/shm") / region).unlink(missing_ok=True)
+
+
+def _send(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
 
 
 def free_port() -> int:
@@ -77,6 +94,12 @@ class TritonServer:
     a file in the server's scratch folder, removed with it by ``stop()`` (read it before
     with ``log_tail()``, or pass a path to keep it); ``log_path="-"`` lets the server
     share this process's stdout/stderr. Failing to start raises with the log's tail.
+
+    The server runs with ``--model-control-mode=explicit --load-model=*``: every model
+    loads at start as in the default mode, and a model whose engine died can unload
+    itself (``pb_utils.unload_model``), so its readiness tells the truth.
+
+    ``stop()`` is bounded (see there); ``kill()`` ends everything at once.
     """
 
     def __init__(
@@ -92,6 +115,7 @@ class TritonServer:
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         startup_timeout_s: float = 600.0,
+        exit_timeout_s: int = 15,
     ) -> None:
         self.model_repository = Path(model_repository).resolve()
         if not self.model_repository.is_dir():
@@ -106,6 +130,8 @@ class TritonServer:
         self._extra_args = tuple(extra_args)
         self._extra_env = dict(env or {})
         self._startup_timeout_s = startup_timeout_s
+        self._exit_timeout_s = exit_timeout_s
+        self._group: int | None = None  # the server's process group (its pid), while it may have members
         self._scratch: Path | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
@@ -136,6 +162,9 @@ class TritonServer:
             f"--metrics-address={self.host}",
             "--allow-metrics=true",
             "--allow-gpu-metrics=false",
+            "--model-control-mode=explicit",
+            "--load-model=*",
+            f"--exit-timeout-secs={self._exit_timeout_s}",
             f"--log-verbose={self._log_verbose}",
             *self._extra_args,
         ]
@@ -171,6 +200,7 @@ class TritonServer:
             self.command(backend_dir), env=self.environment(), stdout=output, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=_die_with_parent,
         )
+        self._group = self._process.pid
         try:
             self._wait_ready(self._process)
         except BaseException:
@@ -212,18 +242,29 @@ class TritonServer:
             raise RuntimeError("server not started")
         return self._process.wait()
 
-    def stop(self, timeout_s: float = 60.0) -> None:
-        """Ask the server to shut down (models get ``finalize``), kill it if it overstays; idempotent."""
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Shut the server down within about ``timeout_s``, killing what overstays; idempotent.
+
+        The backend stubs get SIGTERM first: a ``pagedllm`` model then ends its in-flight
+        requests with an error at once, so the server is not held up waiting for long
+        streams. The server gets SIGINT (models are unloaded, ``finalize`` runs). Whatever
+        is still alive after ``timeout_s``, server or stub, gets SIGKILL, and the stubs'
+        shared-memory regions are removed.
+        """
         process, self._process = self._process, None
         if process is not None:
             if process.poll() is None:
+                for pid, _ in _group_members(process.pid):
+                    if pid != process.pid:
+                        _send(pid, signal.SIGTERM)
                 process.send_signal(signal.SIGINT)
                 try:
                     process.wait(timeout_s)
                 except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, signal.SIGKILL)
+                    self.kill()
                     process.wait()
             _reap_stubs(process.pid)
+            self._group = None
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -232,6 +273,18 @@ class TritonServer:
             self._scratch = None
             if self.log_path is not None and not self.log_path.exists():
                 self.log_path = None
+
+    def kill(self) -> None:
+        """SIGKILL the server and its stubs now (safe from a signal handler); ``stop()`` still cleans up."""
+        group = self._group
+        if group is not None:
+            regions = _shm_regions(_group_members(group))
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            for region in regions:
+                (Path("/dev/shm") / region).unlink(missing_ok=True)
 
     def __enter__(self) -> TritonServer:
         return self.start()
