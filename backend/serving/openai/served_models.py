@@ -39,7 +39,7 @@ class ServedModel:
     def chat_prompt(self, messages: Sequence[dict[str, Any]]) -> str:
         """The conversation rendered by the model's chat template, ready for generation."""
         if not self.tokenizer.chat_template:
-            raise OpenAIError(400, f"model {self.name!r} has no chat template (its tokenizer_config.json or "
+            raise OpenAIError(400, f"messages: model {self.name!r} has no chat template (its tokenizer_config.json or "
                                    "chat_template.jinja defines none); use /v1/completions with a plain prompt",
                               "messages")
         try:
