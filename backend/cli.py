@@ -1,4 +1,4 @@
-"""The ``pagedllm`` command: make-tiny-model, generate, serve, install-backend, bench."""
+"""The ``pagedllm`` command: make-tiny-model, generate, serve, install-backend, bench, plan."""
 from __future__ import annotations
 
 import argparse
@@ -44,6 +44,11 @@ def build_parser(load_benches: bool) -> argparse.ArgumentParser:
     install = commands.add_parser("install-backend", help="install the backend into a tritonserver backends dir")
     serving.add_install_backend_arguments(install)
     install.set_defaults(handler=serving.install_backend_main)
+
+    planning = importlib.import_module("pagedllm.planning.cli")  # imports nothing heavy until run
+    plan = commands.add_parser("plan", help="right-size GPUs and max_model_len: KV block math + a scheduler replay")
+    planning.add_arguments(plan)
+    plan.set_defaults(handler=planning.run)
 
     bench = commands.add_parser("bench", help=f"benchmarks ({', '.join(BENCHES)}): tables, JSON and plots")
     if load_benches:

@@ -1,0 +1,129 @@
+"""Fit the step-time model on this machine by timing real engine steps at a few shapes.
+
+The real ``LLMEngine`` and a ``NullEngine`` with the same KV blocks and limits
+take the same requests in lockstep: the null engine's ``SchedulerOutput``
+gives each step's shape (same scheduler, same schedule), the real engine's
+``step()`` its duration. Each batch runs ``repeats`` times with fresh prompts
+and the fastest time of each step is kept, which filters out the other
+processes of a shared machine. ``step_time.fit`` turns the timings into the
+model's coefficients.
+
+Catalog models have no weights here: ``random_checkpoint`` writes a
+random-weight Llama with the catalog model's layer shapes (and the embedded
+model's tokenizer and vocabulary), which is all a timing needs.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedllm.bench.null_engine import NullEngine
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import DEFAULT_MODEL_DIR, LLMEngine
+from pagedllm.planning.model_catalog import ModelSpec, spec_from_config
+from pagedllm.planning.step_time import ModelCost, StepShape, StepTimeModel, fit
+from pagedllm.sampling_params import SamplingParams
+
+# (sequences, prompt tokens, output tokens): decodes at 1-32 rows and short/long contexts, and full prefill chunks.
+SHAPES: tuple[tuple[int, int, int], ...] = ((1, 16, 16), (8, 64, 12), (32, 32, 12), (32, 256, 6), (4, 512, 3))
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@dataclass(frozen=True, slots=True)
+class TimedStep:
+    shape: StepShape
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    model: StepTimeModel
+    cost: ModelCost  # of the checkpoint that was timed
+    steps: tuple[TimedStep, ...]
+
+    def fitted(self, step: TimedStep) -> float:
+        return self.model.seconds(self.cost, step.shape)
+
+
+def calibrate(model_dir: Path, device: str = "cpu", dtype: str = "auto", block_size: int = 16,
+              max_num_batched_tokens: int = 2048, repeats: int = 2,
+              shapes: Seq[tuple[int, int, int]] = SHAPES) -> Calibration:
+    """Time ``model_dir``'s engine steps at ``shapes`` and fit the step-time model to them."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} is invalid: expected >= 1")
+    longest = max(p + o for _, p, o in shapes)
+    num_blocks = max(b for b, _, _ in shapes) * -(-longest // block_size) + 1
+    config = EngineConfig(model=str(model_dir), dtype=dtype, device=device, block_size=block_size,
+                          num_kv_blocks=num_blocks, max_num_seqs=max(b for b, _, _ in shapes),
+                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=longest)
+    engine = LLMEngine(config)
+    null = NullEngine(num_blocks, block_size, config.max_num_seqs, max_num_batched_tokens)
+    generator = torch.Generator().manual_seed(0)
+    vocab = engine.model.vocab_size
+
+    def run(batch: int, prompt: int, output: int) -> list[TimedStep]:
+        for _ in range(batch):
+            ids = torch.randint(1, vocab, (prompt,), generator=generator).tolist()
+            params = SamplingParams(max_tokens=output, temperature=0.0, ignore_eos=True)
+            engine.add_request(f"calibrate-{time.monotonic_ns()}", ids, params)
+            null.add_request(ids, params)
+        timed = []
+        while null.has_unfinished_requests():
+            before = {seq: seq.num_tokens for seq in (*null.scheduler.running, *null.scheduler.waiting)}
+            shape = StepShape.of(null.step(), before)
+            start = time.perf_counter()
+            engine.step()
+            timed.append(TimedStep(shape, time.perf_counter() - start))
+        if engine.has_unfinished_requests():
+            raise RuntimeError("the engine and its null replay diverged: the engine still has requests")
+        return timed
+
+    run(2, 8, 4)  # warm-up: first-call allocations and lazy initialisation
+    steps: list[TimedStep] = []
+    for shape in shapes:
+        rounds = [run(*shape) for _ in range(repeats)]
+        steps += [min(same, key=lambda s: s.seconds) for same in zip(*rounds)]
+    spec = spec_from_config(model_dir.name, json.loads((model_dir / "config.json").read_text()))
+    name = _DTYPE_NAMES[engine.dtype]
+    cost = ModelCost.of(spec, name, name)
+    source = f"calibrated on {engine.device.type} with {model_dir.name} ({name}, {torch.get_num_threads()} threads)"
+    return Calibration(fit([(s.shape, cost, s.seconds) for s in steps], source), cost, tuple(steps))
+
+
+def random_checkpoint(spec: ModelSpec, out_dir: Path, num_layers: int | None = None) -> Path:
+    """A random-weight Llama checkpoint with ``spec``'s layer shapes, for timing (not for text)."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    vocab = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())["vocab_size"]
+    layers = num_layers or spec.num_layers
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim, max_position_embeddings=8192, tie_word_embeddings=False, eos_token_id=0,
+        bos_token_id=0, architectures=["LlamaForCausalLM"],
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEFAULT_MODEL_DIR / name, out_dir / name)
+    h, q, kv, i = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
+    for n in range(layers):
+        prefix = f"model.layers.{n}."
+        shapes |= {prefix + "self_attn.q_proj.weight": (q, h), prefix + "self_attn.k_proj.weight": (kv, h),
+                   prefix + "self_attn.v_proj.weight": (kv, h), prefix + "self_attn.o_proj.weight": (h, q),
+                   prefix + "mlp.gate_proj.weight": (i, h), prefix + "mlp.up_proj.weight": (i, h),
+                   prefix + "mlp.down_proj.weight": (h, i), prefix + "input_layernorm.weight": (h,),
+                   prefix + "post_attention_layernorm.weight": (h,)}
+    generator = torch.Generator().manual_seed(0)
+    tensors = {name: (torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=generator) * 0.02)
+               .to(torch.bfloat16) for name, shape in shapes.items()}
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    return out_dir
