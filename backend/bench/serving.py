@@ -19,6 +19,7 @@ import random
 import sys
 import tempfile
 import time
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -30,6 +31,7 @@ MODEL_NAME = "llm"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_PBTXT = REPO_ROOT / "model_repository" / MODEL_NAME / "config.pbtxt"
 LOAD_CLIENT = REPO_ROOT / "client_examples" / "load_client.py"
+OPENAI_LOAD_CLIENT = REPO_ROOT / "client_examples" / "openai_load_client.py"
 THROUGHPUT_TARGET = 0.9  # serving >= 90% of in-process tokens/s at the highest concurrency
 
 
@@ -44,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--load-client", type=Path, default=LOAD_CLIENT)
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT)
+    parser.add_argument("--api", choices=("grpc", "openai"), default="grpc",
+                        help="openai: also drive /v1/chat/completions through the OpenAI front door at each "
+                             "concurrency, same server and requests, and compare its throughput with gRPC's")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -63,13 +68,16 @@ def run(args: argparse.Namespace) -> None:
     # The backend stub inherits this environment: pin its torch threads like the in-process run's.
     env = {"OMP_NUM_THREADS": str(args.threads)}
     log_tail = ""
-    with scratch, TritonServer(repository, env=env, extra_args=["--exit-timeout-secs=20"]) as server:
+    with scratch, TritonServer(repository, env=env, extra_args=["--exit-timeout-secs=20"]) as server, \
+            _front_door(args.api, server.grpc_url, Path(engine_args["model"])) as door:
         for level in levels:
             count = 4 * level if args.tiny else max(16, args.requests_per_client * level)
             if not server.running:
                 rows.append({"concurrency": level, "requests": count, "failure": "not run: the server had exited"})
                 continue
             rows.append(_measure(client, server.grpc_url, engine_args, level, count, words, tokens, args.seed + level))
+            if door is not None and "failure" not in rows[-1]:
+                rows[-1].update(_measure_openai(door.base_url, rows[-1], level, count, words, tokens, args.seed + level))
             if "failure" in rows[-1]:
                 log_tail = server.log_tail(6000)
     print(f"## tiny model, prompts ~{words} words, max_tokens ~{tokens} (uniform ±50%, ignore_eos), greedy\n")
@@ -77,6 +85,8 @@ def run(args: argparse.Namespace) -> None:
         ("concurrency", "requests", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms", "serving tok/s",
          "in-process tok/s", "serving / in-process"),
         [_table_row(r) for r in rows]))
+    if door is not None:
+        _print_openai_table(rows)
     measured = [r for r in rows if "failure" not in r]
     top = rows[-1]
     if "failure" in top:
@@ -90,6 +100,9 @@ def run(args: argparse.Namespace) -> None:
                                                   "server_log_tail": log_tail or None})
     report.save_plot(args.out / "serving.png", lambda ax: _plot(ax, measured))
     print(f"\nwrote {args.out / 'serving.json'} and {args.out / 'serving.png'}")
+    openai_failures = [f"concurrency {r['concurrency']}: {r['openai_failure']}" for r in rows if "openai_failure" in r]
+    if openai_failures:
+        raise RuntimeError("some OpenAI front door runs failed: " + "; ".join(openai_failures))
     if log_tail:
         print(f"server log tail:\n{log_tail}")
         raise RuntimeError("some serving runs failed: " + "; ".join(
@@ -114,6 +127,38 @@ def _measure(client: ModuleType, url: str, engine_args: dict[str, Any], level: i
             "serving_over_in_process": summary["output_tokens_per_s"] / offline["tokens_per_s"]}
 
 
+def _front_door(api: str, grpc_url: str, model_dir: Path) -> AbstractContextManager[Any]:
+    from pagedllm.bench.openai_front_door import OpenAIFrontDoor
+
+    return OpenAIFrontDoor(grpc_url, MODEL_NAME, model_dir) if api == "openai" else nullcontext(None)
+
+
+def _measure_openai(base_url: str, grpc_row: dict[str, Any], level: int, count: int, words: int, tokens: int,
+                    seed: int) -> dict[str, Any]:
+    """The same requests as the gRPC load, as streamed chat completions through the OpenAI front door."""
+    client = load_client_module(OPENAI_LOAD_CLIENT, "pagedllm_openai_load_client")
+    summary = client.run_load(base_url, MODEL_NAME, concurrency=level, num_requests=count, prompt_words=words,
+                              prompt_dist="uniform", output_tokens=tokens, output_dist="uniform", seed=seed).summary()
+    result = {"openai_" + key: summary[key] for key in ("errors", "output_tokens", "output_tokens_per_s", "ttft_s",
+                                                         "itl_s")}
+    if summary["errors"]:
+        return {**result, "openai_failure": f"{summary['errors']} of {count} chat requests failed"}
+    if summary["output_tokens"] != grpc_row["output_tokens"]:
+        return {**result, "openai_failure": f"{summary['output_tokens']} tokens vs gRPC's {grpc_row['output_tokens']}"}
+    return {**result, "openai_over_grpc": summary["output_tokens_per_s"] / grpc_row["output_tokens_per_s"]}
+
+
+def _print_openai_table(rows: list[dict[str, Any]]) -> None:
+    print("\n## OpenAI front door (/v1/chat/completions, SSE) vs gRPC streams, same server and requests\n")
+    print(report.markdown_table(
+        ("concurrency", "requests", "chat errors", "gRPC tok/s", "OpenAI tok/s", "OpenAI / gRPC",
+         "OpenAI TTFT p50/p90/p99 ms"),
+        [[r["concurrency"], r["requests"], r.get("openai_errors", "–"), r.get("output_tokens_per_s", "–"),
+          r.get("openai_output_tokens_per_s", "–"),
+          f"{100 * r['openai_over_grpc']:.0f}%" if "openai_over_grpc" in r else r.get("openai_failure", "–"),
+          _ms(r["openai_ttft_s"]) if "openai_ttft_s" in r else "–"] for r in rows]))
+
+
 def _table_row(row: dict[str, Any]) -> list[Any]:
     if "failure" in row:
         return [row["concurrency"], row["requests"], f"FAILED: {row['failure'][:120]}", "–", "–", "–", "–"]
@@ -121,11 +166,11 @@ def _table_row(row: dict[str, Any]) -> list[Any]:
             row["in_process_tokens_per_s"], f"{100 * row['serving_over_in_process']:.0f}%"]
 
 
-def load_client_module(path: Path) -> ModuleType:
+def load_client_module(path: Path, name: str = "pagedllm_load_client") -> ModuleType:
     """``client_examples/load_client.py`` is a script folder, not a package: load it from its path."""
     if not path.is_file():
         raise ValueError(f"--load-client={path} does not exist (it ships in the repository's client_examples/)")
-    spec = importlib.util.spec_from_file_location("pagedllm_load_client", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ValueError(f"--load-client={path} is not an importable Python file")
     module = importlib.util.module_from_spec(spec)
