@@ -12,7 +12,11 @@ import torch
 
 from pagedllm.kernels import unified_attention, unified_attention_ref
 from pagedllm.kernels.attention_heuristics import MAX_SPLITS, num_kv_splits, plan_attention
-from pagedllm.kernels.attention_launch import unified_attention_with_splits
+from pagedllm.kernels.attention_launch import (
+    plan_unified_attention,
+    unified_attention_planned,
+    unified_attention_with_splits,
+)
 from pagedllm.testing.paged_batch import PagedBatch, random_paged_batch
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -86,6 +90,28 @@ def test_split_kv_agrees_with_single_pass_on_a_heuristic_shape() -> None:
     single = unified_attention_with_splits(*batch.args(), num_splits=1)
     split = unified_attention_with_splits(*batch.args(), num_splits=splits)
     torch.testing.assert_close(split, single, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_one_step_plan_serves_every_layer(num_splits: int) -> None:
+    """The launch is planned at the first layer (tiles, split partials) and reused by the next ones."""
+    case = Case((1, 1, 1), (1, 40, 70), 8, 2, 64, 16)
+    batch = make_batch(case)
+    step = plan_unified_attention(batch.query_start_loc, batch.seq_lens, batch.block_table)
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        q, k_cache, v_cache = (torch.randn(t.shape, generator=generator) for t in (batch.q, batch.k_cache, batch.v_cache))
+        actual = unified_attention_planned(q, k_cache, v_cache, step, batch.scale, num_splits=num_splits)
+        expected = unified_attention_ref(q, k_cache, v_cache, *batch.args()[3:])
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
+    (launch,) = step.launches.values()
+    assert launch.tiles.num_splits == num_splits and (launch.partials is None) == (num_splits == 1)
+
+
+def test_planned_launch_refuses_a_foreign_plan() -> None:
+    batch = make_batch(Case((1,), (5,), 2, 1, 64, 16))
+    with pytest.raises(ValueError, match="AttentionStepPlan"):
+        unified_attention_planned(batch.q, batch.k_cache, batch.v_cache, None, batch.scale)
 
 
 def test_split_heuristic_splits_only_small_long_decode_batches() -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,24 @@ def test_tiny_run_prints_every_table_and_agrees_with_reference(
     assert "| decode | KV splits | triton ms | triton GB/s |" in printed
     assert "| prefill | triton ms | triton TFLOP/s |" in printed
     assert " NO |" not in printed
+    cpu_rows = json.loads((tmp_path / "kernels.json").read_text())["cpu_rows"]
+    cpu = bench.cpu_attention.TINY
+    assert [row["section"] for row in cpu_rows] == ["cpu layer"] * len(cpu.batches) * len(cpu.contexts) + [
+        "cpu step"] * len(cpu.sizes) * len(cpu.batches) * len(cpu.contexts)
+    assert all(row["reference_ms"] > 0 and row["production_ms"] > 0 for row in cpu_rows)
+    assert "| shape | reference ms | production ms | production speed-up |" in printed
+
+
+def test_a_wrong_production_cpu_backend_fails_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedllm.worker import attention_backend
+
+    def off_by_a_bit() -> attention_backend.AttentionBackend:
+        backend = attention_backend.torch_backend()
+        return replace(backend, attend=lambda *args: backend.attend(*args) + 1e-3)
+
+    monkeypatch.setattr(bench.cpu_attention, "torch_backend", off_by_a_bit)
+    with pytest.raises(SystemExit, match="production CPU attention disagrees"):
+        bench.run(_args(tmp_path))
 
 
 def test_a_wrong_kernel_fails_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

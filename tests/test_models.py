@@ -14,11 +14,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from pagedllm.worker.attention_backend import REFERENCE_BACKEND
+from pagedllm.worker.attention_backend import attention_backend_named
 from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.models import CausalLM, load_model
 
 ARCHES = ["llama", "mistral", "qwen2", "qwen3"]
+# The production CPU attention, and the kernels' oracle it must agree with.
+CPU_BACKENDS = ["torch", "torch-reference"]
 BLOCK_SIZE = 16
 NUM_BLOCKS = 24
 CPU = torch.device("cpu")
@@ -76,6 +78,7 @@ def run_step(model: CausalLM, caches: list[tuple[torch.Tensor, torch.Tensor]],
         max_query_len=max(n for _, n in scheduled),
         max_seq_len=max(lens),
     )
+    attn = model.attention.plan(attn)  # once per step, as the runner does
     with torch.inference_mode():
         logits = model.compute_logits(model(torch.cat(ids), torch.cat(positions), caches, attn))
     assert logits.dtype == torch.float32
@@ -97,14 +100,16 @@ def reference_logits(model_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
         return hf(tokens[None]).logits[0].float()
 
 
-def load(model_dir: Path, dtype: torch.dtype = torch.float32) -> CausalLM:
-    return load_model(model_dir, dtype, CPU, REFERENCE_BACKEND)
+def load(model_dir: Path, dtype: torch.dtype = torch.float32, backend: str = "torch") -> CausalLM:
+    return load_model(model_dir, dtype, CPU, attention_backend_named(backend))
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("arch", ARCHES)
-def test_chunked_prefill_then_decode_matches_transformers(arch: str, tiny_model_dir: Callable[[str], Path]) -> None:
+def test_chunked_prefill_then_decode_matches_transformers(arch: str, backend: str,
+                                                          tiny_model_dir: Callable[[str], Path]) -> None:
     model_dir = tiny_model_dir(arch)
-    model = load(model_dir)
+    model = load(model_dir, backend=backend)
     caches = make_caches(model)
     (seq,) = make_sequences([44], seed=1, vocab_size=model.vocab_size)
     run_step(model, caches, [(seq, 23)])  # prefill chunk ending mid-block
@@ -114,10 +119,12 @@ def test_chunked_prefill_then_decode_matches_transformers(arch: str, tiny_model_
     torch.testing.assert_close(torch.cat(seq.logits), reference_logits(model_dir, seq.tokens), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("arch", ARCHES)
-def test_mixed_batch_matches_transformers_per_sequence(arch: str, tiny_model_dir: Callable[[str], Path]) -> None:
+def test_mixed_batch_matches_transformers_per_sequence(arch: str, backend: str,
+                                                       tiny_model_dir: Callable[[str], Path]) -> None:
     model_dir = tiny_model_dir(arch)
-    model = load(model_dir)
+    model = load(model_dir, backend=backend)
     caches = make_caches(model)
     a, b, c = make_sequences([33, 27, 14], seed=2, vocab_size=model.vocab_size)
     run_step(model, caches, [(a, 31), (b, 10)])

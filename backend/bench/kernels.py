@@ -8,8 +8,10 @@ Each timed row also runs ``torch.nn.functional.scaled_dot_product_attention``
 on contiguous K/V of the same shape (the side-by-side baseline). Timing uses
 CUDA events through ``triton.testing.do_bench``. On CPU, or with ``--tiny``,
 tiny shapes run (on CPU through triton's interpreter) so the suite keeps the
-script from rotting; CPU timings mean nothing. Triton is imported only when
-the benchmark runs, so the ``pagedllm`` command starts without it.
+script from rotting; CPU timings of the Triton kernels mean nothing. On CPU it
+then prints the production plain-torch attention next to the reference, per
+layer and per decode step (:mod:`pagedllm.bench.cpu_attention`). Triton is
+imported only when the benchmark runs, so the ``pagedllm`` command starts without it.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pagedllm.bench import cpu_attention
 from pagedllm.kernels import unified_attention_ref
 from pagedllm.kernels.attention_heuristics import plan_attention
 from pagedllm.testing.paged_batch import PagedBatch, random_paged_batch
@@ -98,10 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--rep-ms", type=float, default=100.0, help="time budget per measurement on CUDA")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows to this JSON file")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
 
 
 def run(args: argparse.Namespace) -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     shapes = TINY if args.tiny or device.type != "cuda" else FULL
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (triton interpreter)"
     peak = peak_bandwidth(name) if device.type == "cuda" else None
@@ -119,11 +125,16 @@ def run(args: argparse.Namespace) -> None:
            metric="GB/s")
     prefill = _prefill(shapes, device, generator, timer)
     _print(prefill, ("shape", "triton_ms", "metric", "sdpa_ms", "sdpa_metric", "ratio"), metric="TFLOP/s")
+    cpu_rows = []
+    if device.type == "cpu":
+        cpu_rows = cpu_attention.run_cpu_tables(cpu_attention.TINY if args.tiny else cpu_attention.FULL)
     if args.json is not None:
-        args.json.write_text(json.dumps({"device": name, "rows": [asdict(r) for r in rows + decode + prefill]},
-                                        default=str, indent=1))
+        args.json.write_text(json.dumps({"device": name, "rows": [asdict(r) for r in rows + decode + prefill],
+                                         "cpu_rows": [asdict(r) for r in cpu_rows]}, default=str, indent=1))
     if not all(row.ok for row in rows):
         raise SystemExit("unified_attention disagrees with the reference")
+    if any(row.max_error is None or row.max_error > cpu_attention.MAX_ERROR for row in cpu_rows):
+        raise SystemExit("the production CPU attention disagrees with the reference")
 
 
 def _paged(shapes: Shapes, num_heads: int, num_kv_heads: int, query_lens: Sequence[int], seq_lens: Sequence[int],

@@ -2,7 +2,8 @@
 
 Tokens of every scheduled sequence arrive as one flat batch; attention reads
 and writes the cache only through the ``AttentionBackend`` and the step's
-``AttentionMetadata``. Projections are fused (q|k|v and gate|up) to cut kernel
+``AttentionMetadata``, planned once per step by the backend (``backend.plan``)
+before the forward and shared by every layer. Projections are fused (q|k|v and gate|up) to cut kernel
 launches; the loader concatenates the checkpoint's separate weights.
 """
 from __future__ import annotations
@@ -62,9 +63,7 @@ class Attention(nn.Module):
         k = apply_rotary(k, cos, sin)
         k_cache, v_cache = kv_cache
         self.attention.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
-        out = self.attention.unified_attention(
-            q, k_cache, v_cache, attn.query_start_loc, attn.seq_lens, attn.block_table, self.scale
-        )
+        out = self.attention.attend(q, k_cache, v_cache, attn, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -130,6 +129,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.traits = traits
+        self.attention = attention  # whose plan(metadata) the caller runs once per step
         self.num_layers: int = config.num_hidden_layers
         self.num_heads: int = config.num_attention_heads
         self.num_kv_heads: int = config.num_key_value_heads

@@ -1,40 +1,98 @@
-"""Chooses which paged-attention kernels a model runs: Triton-lang or plain torch."""
+"""Chooses which paged-attention implementation a model runs, and gives them one interface.
+
+A step goes: the runner builds ``AttentionMetadata``, calls ``backend.plan`` on
+it exactly once, and every layer passes the planned metadata to
+``backend.attend``. Planning is where a backend does its per-step work (index
+math, masks, launch tiles), so no layer repeats it.
+
+Backends by name:
+
+* ``torch`` — :mod:`pagedllm.worker.cpu_attention`, the production plain-torch path (the CPU default);
+* ``triton`` — the Triton-lang kernels (the CUDA default; on CPU they run in triton's interpreter);
+* ``torch-reference`` — the kernels' test oracle, :func:`pagedllm.kernels.reference.unified_attention_ref`.
+"""
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from pagedllm.kernels.reference import copy_blocks_ref, unified_attention_ref, write_kv_ref
+from pagedllm.worker.attention_metadata import AttentionMetadata
+from pagedllm.worker.cpu_attention import CpuPagedAttention, plan_cpu_attention
 
 # Set to "1" to run the Triton-lang kernels even on CPU (with TRITON_INTERPRET=1).
 FORCE_TRITON_ENV = "PAGEDLLM_FORCE_TRITON"
 
+# attend(q, k_cache, v_cache, planned metadata, scale) -> [num_tokens, num_heads, head_dim]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionBackend:
-    """The three cache operations a model's attention layers need."""
+    """The per-step plan and the three cache operations a model's attention layers need."""
 
     name: str
-    unified_attention: Callable[..., torch.Tensor]
+    plan: Callable[[AttentionMetadata], AttentionMetadata]  # pure; returns the metadata with this backend's plan
+    attend: Attend
     write_kv: Callable[..., None]
     copy_blocks: Callable[..., None]
 
 
-REFERENCE_BACKEND = AttentionBackend("torch-reference", unified_attention_ref, write_kv_ref, copy_blocks_ref)
+def _attend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+    return unified_attention_ref(q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens,
+                                 metadata.block_table, scale)
+
+
+def _unplanned(metadata: AttentionMetadata) -> AttentionMetadata:
+    return metadata
+
+
+REFERENCE_BACKEND = AttentionBackend("torch-reference", _unplanned, _attend_reference, write_kv_ref, copy_blocks_ref)
+BACKEND_NAMES = ("torch", "triton", "torch-reference")
+
+
+def torch_backend() -> AttentionBackend:
+    """The production plain-torch backend; each one owns its own reusable gather buffers."""
+    return AttentionBackend("torch", plan_cpu_attention, CpuPagedAttention().attend, write_kv_ref, copy_blocks_ref)
+
+
+def triton_backend() -> AttentionBackend:
+    from pagedllm.kernels import triton_backend_ops
+    from pagedllm.kernels.attention_launch import plan_unified_attention, unified_attention_planned
+
+    _, write_kv, copy_blocks = triton_backend_ops()
+
+    def plan(metadata: AttentionMetadata) -> AttentionMetadata:
+        step = plan_unified_attention(metadata.query_start_loc, metadata.seq_lens, metadata.block_table)
+        return replace(metadata, plan=step)
+
+    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        return unified_attention_planned(q, k_cache, v_cache, metadata.plan, scale)
+
+    return AttentionBackend("triton", plan, attend, write_kv, copy_blocks)
+
+
+def attention_backend_named(name: str) -> AttentionBackend:
+    """One of :data:`BACKEND_NAMES`; ``ValueError`` naming the choices otherwise."""
+    if name == "torch":
+        return torch_backend()
+    if name == "triton":
+        return triton_backend()
+    if name == "torch-reference":
+        return REFERENCE_BACKEND
+    raise ValueError(f"attention backend {name!r} is not one of {', '.join(BACKEND_NAMES)}")
 
 
 def select_attention_backend(device: torch.device, use_triton: bool | None = None) -> AttentionBackend:
-    """Triton kernels on CUDA, torch references on CPU, unless told otherwise.
+    """Triton kernels on CUDA, the plain-torch backend on CPU, unless told otherwise.
 
     ``use_triton=None`` follows the device and the ``PAGEDLLM_FORCE_TRITON`` switch.
     """
     if use_triton is None:
         use_triton = device.type == "cuda" or os.environ.get(FORCE_TRITON_ENV) == "1"
-    if not use_triton:
-        return REFERENCE_BACKEND
-    from pagedllm.kernels import triton_backend_ops
-
-    return AttentionBackend("triton", *triton_backend_ops())
+    return triton_backend() if use_triton else torch_backend()

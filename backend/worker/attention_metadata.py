@@ -12,7 +12,9 @@ class AttentionMetadata:
 
     Sequence ``i`` owns tokens ``query_start_loc[i]:query_start_loc[i+1]`` of the
     flat batch; they are the last ``query_len`` positions of its ``seq_lens[i]``
-    context tokens (causal). Built once per step by the model runner.
+    context tokens (causal). Built once per step by the model runner, then handed
+    to ``AttentionBackend.plan``, which returns a copy carrying ``plan``: the
+    backend's per-step work (index math, masks, launch tiles), shared by every layer.
     """
 
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
@@ -21,6 +23,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [num_tokens], cache slot = block * block_size + offset
     max_query_len: int
     max_seq_len: int
+    plan: object | None = None  # the planning backend's own type; None until planned
 
     @property
     def num_seqs(self) -> int:

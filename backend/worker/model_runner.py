@@ -56,7 +56,7 @@ class ModelRunner:
             mapping = torch.tensor(step.block_copies, dtype=torch.int64, device=self.device)
             self.attention.copy_blocks(self.kv_caches, mapping)
         inputs = self.prepare(step)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.attention.plan(inputs.attn))
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     def prepare(self, step: SchedulerOutput) -> StepInputs:

@@ -1,0 +1,223 @@
+"""Production paged attention in plain torch, for CPUs: the step's layout is planned once.
+
+Per step, :func:`plan_cpu_attention` sorts the batch into groups that one
+``scaled_dot_product_attention`` call each can serve, and computes every index
+and mask they need. Per layer, :class:`CpuPagedAttention` then does one
+block-level ``index_select`` of K and one of V into buffers it reuses across
+layers and steps, and one SDPA per group:
+
+* decodes (one query token) of similar context length share a padded batch in
+  which the query heads of one KV head form the "query" axis, so K/V are never
+  repeated per query head and the batch is a single fused SDPA;
+* each prefill chunk attends alone over its own context, causally.
+
+``pagedllm.kernels.reference.unified_attention_ref`` stays the simple,
+independent oracle that the tests compare this against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagedllm.worker.attention_metadata import AttentionMetadata
+
+# Decodes join a padded batch while their block count is at least this share of the
+# batch's longest; below it, a new batch is cheaper than attending to the padding.
+DECODE_BATCH_FILL = 0.7
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBatch:
+    """Decoding sequences padded to one width: one SDPA over ``[num_seqs, kv_heads, group, head_dim]``."""
+
+    tokens: torch.Tensor  # int64 [num_seqs]: each sequence's query token
+    first_block: int  # its first row in the step's gathered blocks
+    num_seqs: int
+    blocks_per_seq: int
+    mask: torch.Tensor | None  # additive [num_seqs, 1, 1, keys]; None when every key is real
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """One sequence's several new tokens: causal SDPA over its own context."""
+
+    start: int  # first flat token
+    query_len: int
+    first_block: int
+    num_blocks: int
+    mask: torch.Tensor  # additive [query_len, keys]
+
+
+@dataclass(frozen=True, slots=True)
+class StepLayout:
+    """Everything a layer needs, for one block size and dtype."""
+
+    block_ids: torch.Tensor  # int64 [rows]: every group's blocks, gathered in one index_select
+    decodes: tuple[DecodeBatch, ...]
+    prefills: tuple[PrefillChunk, ...]
+    # All decodes, in one batch, in the batch's own order: the queries need no reordering.
+    decodes_in_order: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CpuAttentionPlan:
+    """The step's host-side lengths; layouts are derived once per (block size, dtype).
+
+    The block size and dtype belong to the cache, which the metadata does not
+    describe, so the first layer derives the layout and every later layer reuses it.
+    """
+
+    starts: np.ndarray  # int64 [num_seqs + 1]
+    seq_lens: np.ndarray  # int64 [num_seqs]
+    block_table: torch.Tensor  # int64 [num_seqs, width]
+    layouts: dict[tuple[int, torch.dtype], StepLayout] = field(default_factory=dict)
+
+    def layout(self, block_size: int, dtype: torch.dtype) -> StepLayout:
+        key = (block_size, dtype)
+        if key not in self.layouts:
+            self.layouts[key] = _layout(self, block_size, dtype)
+        return self.layouts[key]
+
+
+def plan_cpu_attention(metadata: AttentionMetadata) -> AttentionMetadata:
+    """The metadata with a :class:`CpuAttentionPlan` attached; call once per step."""
+    plan = CpuAttentionPlan(
+        starts=metadata.query_start_loc.cpu().numpy().astype(np.int64),
+        seq_lens=metadata.seq_lens.cpu().numpy().astype(np.int64),
+        block_table=metadata.block_table.long(),
+    )
+    return replace(metadata, plan=plan)
+
+
+def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype) -> StepLayout:
+    device = plan.block_table.device
+    query_lens = np.diff(plan.starts)
+    num_blocks = -(-plan.seq_lens // block_size)
+    block_ids: list[torch.Tensor] = []
+    rows = 0
+
+    decodes = []
+    for seqs in _decode_batches(np.flatnonzero(query_lens == 1), num_blocks):
+        width = int(num_blocks[seqs].max())
+        block_ids.append(plan.block_table[torch.from_numpy(seqs).to(device), :width].reshape(-1))
+        lens = torch.from_numpy(plan.seq_lens[seqs]).to(device)
+        decodes.append(DecodeBatch(
+            tokens=torch.from_numpy(plan.starts[seqs]).to(device),
+            first_block=rows,
+            num_seqs=len(seqs),
+            blocks_per_seq=width,
+            mask=None if bool((lens == width * block_size).all()) else
+            _additive(torch.arange(width * block_size, device=device)[None, :] < lens[:, None], dtype)[:, None, None],
+        ))
+        rows += len(seqs) * width
+
+    prefills = []
+    for seq in np.flatnonzero(query_lens > 1):
+        width, query_len, seq_len = int(num_blocks[seq]), int(query_lens[seq]), int(plan.seq_lens[seq])
+        block_ids.append(plan.block_table[int(seq), :width])
+        key_pos = torch.arange(width * block_size, device=device)
+        query_pos = torch.arange(seq_len - query_len, seq_len, device=device)
+        prefills.append(PrefillChunk(int(plan.starts[seq]), query_len, rows, width,
+                                     _additive(key_pos[None, :] <= query_pos[:, None], dtype)))
+        rows += width
+
+    ids = torch.cat(block_ids) if block_ids else torch.zeros(0, dtype=torch.long, device=device)
+    in_order = len(decodes) == 1 and decodes[0].num_seqs == len(query_lens) and bool(
+        (decodes[0].tokens == torch.arange(len(query_lens), device=device)).all())
+    return StepLayout(ids, tuple(decodes), tuple(prefills), in_order)
+
+
+def _decode_batches(seqs: np.ndarray, num_blocks: np.ndarray) -> list[np.ndarray]:
+    """Split decoding sequences into batches of similar block counts (all in one when they are alike)."""
+    if len(seqs) == 0:
+        return []
+    order = seqs[np.argsort(-num_blocks[seqs], kind="stable")]
+    descending = -num_blocks[order]
+    batches = []
+    first = 0
+    while first < len(order):
+        floor = num_blocks[order[first]] * DECODE_BATCH_FILL
+        end = int(np.searchsorted(descending, -floor, side="right"))
+        batches.append(order[first:end])
+        first = end
+    # One batch: keep the caller's order, so that queries need no reordering.
+    return [seqs] if len(batches) == 1 else batches
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+class CpuPagedAttention:
+    """Runs a planned step's attention; owns the gather buffers reused across layers and steps."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = {}
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of each sequence's new tokens over its paged context: [num_tokens, num_heads, head_dim]."""
+        plan = metadata.plan
+        if not isinstance(plan, CpuAttentionPlan):
+            raise ValueError("metadata.plan is not a CpuAttentionPlan: call the backend's plan(metadata) once per "
+                             "step and pass its result to every layer")
+        num_tokens, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        layout = plan.layout(block_size, q.dtype)
+        keys = self._gather("k", k_cache, layout.block_ids)
+        values = self._gather("v", v_cache, layout.block_ids)
+        group = num_heads // num_kv_heads
+
+        if layout.decodes_in_order:
+            attended = self._decode(q, keys, values, layout.decodes[0], scale, group)
+            return attended.reshape(num_tokens, num_heads, head_dim)
+        out = torch.empty_like(q)
+        for batch in layout.decodes:
+            attended = self._decode(q.index_select(0, batch.tokens), keys, values, batch, scale, group)
+            out.index_copy_(0, batch.tokens, attended.reshape(batch.num_seqs, num_heads, head_dim))
+        for chunk in layout.prefills:
+            rows = slice(chunk.first_block, chunk.first_block + chunk.num_blocks)
+            k = keys[rows].reshape(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+            v = values[rows].reshape(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+            queries = q[chunk.start : chunk.start + chunk.query_len].transpose(0, 1)[None]
+            attended = F.scaled_dot_product_attention(queries, k, v, attn_mask=chunk.mask, scale=scale,
+                                                      enable_gqa=group > 1)
+            out[chunk.start : chunk.start + chunk.query_len] = attended[0].transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+        keys: torch.Tensor,  # [rows, block_size, num_kv_heads, head_dim]
+        values: torch.Tensor,
+        batch: DecodeBatch,
+        scale: float,
+        group: int,
+    ) -> torch.Tensor:
+        """[num_seqs, num_kv_heads, group, head_dim]: a KV head's query heads attend as one query block."""
+        _, _, num_kv_heads, head_dim = keys.shape
+        rows = slice(batch.first_block, batch.first_block + batch.num_seqs * batch.blocks_per_seq)
+        k = keys[rows].view(batch.num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = values[rows].view(batch.num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+        queries = q.reshape(batch.num_seqs, num_kv_heads, group, head_dim)
+        return F.scaled_dot_product_attention(queries, k, v, attn_mask=batch.mask, scale=scale)
+
+    def _gather(self, name: str, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """``cache[block_ids]`` written into a buffer that grows as needed and is reused after."""
+        key = (name, cache.dtype, cache.device, tuple(cache.shape[1:]))
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape[0] < block_ids.numel():
+            buffer = torch.empty((max(block_ids.numel(), 1), *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+            self._buffers[key] = buffer
+        rows = buffer[: block_ids.numel()]
+        torch.index_select(cache, 0, block_ids, out=rows)
+        return rows

@@ -1,0 +1,146 @@
+"""The production plain-torch attention backend against the reference oracle."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+from pagedllm.kernels import unified_attention_ref
+from pagedllm.testing.paged_batch import PagedBatch, random_paged_batch
+from pagedllm.worker.attention_backend import (
+    BACKEND_NAMES,
+    REFERENCE_BACKEND,
+    attention_backend_named,
+    select_attention_backend,
+    torch_backend,
+)
+from pagedllm.worker.attention_metadata import AttentionMetadata
+from pagedllm.worker.cpu_attention import DECODE_BATCH_FILL, CpuAttentionPlan
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    query_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype = torch.float32
+
+
+CASES = {
+    # decodes only, in one padded batch; contexts end mid-block and on a block edge
+    "decode-gqa4-d64-b16": Case((1, 1, 1, 1), (20, 17, 32, 30), 8, 2, 64, 16),
+    # long-tail decodes: split into several batches of similar length, queries reordered
+    "decode-longtail-gqa8-d128-b16": Case((1,) * 6, (300, 3, 700, 33, 35, 160), 8, 1, 128, 16),
+    # prefill only: whole prompts and a chunk starting mid-sequence
+    "prefill-gqa1-d128-b32": Case((21, 5, 7), (21, 5, 40), 2, 2, 128, 32),
+    # mixed prefill chunks and decodes of very different lengths
+    "mixed-gqa8-d96-b16": Case((1, 6, 4, 1), (40, 22, 4, 200), 8, 1, 96, 16),
+    "mixed-gqa4-d80-b32": Case((5, 1, 18, 1), (12, 50, 30, 3), 4, 1, 80, 32),
+    "mixed-gqa1-d64-b16": Case((1, 9, 1), (26, 20, 130), 4, 4, 64, 16),
+    "mixed-gqa4-d64-b16-bf16": Case((1, 7, 1), (30, 15, 90), 8, 2, 64, 16, torch.bfloat16),
+}
+
+
+def make_batch(case: Case, seed: int = 0) -> PagedBatch:
+    # A spare block-table column pointing elsewhere, as a runner's padded rows have.
+    return random_paged_batch(case.query_lens, case.seq_lens, case.num_heads, case.num_kv_heads, case.head_dim,
+                              case.block_size, case.dtype, generator=torch.Generator().manual_seed(seed),
+                              spare_columns=1)
+
+
+def metadata_of(batch: PagedBatch) -> AttentionMetadata:
+    query_lens = (batch.query_start_loc[1:] - batch.query_start_loc[:-1]).tolist()
+    return AttentionMetadata(
+        query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens,
+        block_table=batch.block_table,
+        slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64),
+        max_query_len=max(query_lens),
+        max_seq_len=int(batch.seq_lens.max()),
+    )
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_torch_backend_matches_reference(case: Case) -> None:
+    batch = make_batch(case)
+    backend = torch_backend()
+    actual = backend.attend(batch.q, batch.k_cache, batch.v_cache, backend.plan(metadata_of(batch)), batch.scale)
+    expected = unified_attention_ref(*batch.args())
+    assert actual.shape == batch.q.shape and actual.dtype == case.dtype
+    torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[case.dtype], rtol=0)
+
+
+def test_one_plan_serves_every_layer_and_buffers_serve_every_step() -> None:
+    """Layers differ in q and cache contents but share the step's plan; the next step reuses the buffers."""
+    case = CASES["mixed-gqa8-d96-b16"]
+    backend = torch_backend()
+    first = make_batch(case, seed=1)
+    planned = backend.plan(metadata_of(first))
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        layer = replace(first, **{name: torch.randn(getattr(first, name).shape, generator=generator)
+                                  for name in ("q", "k_cache", "v_cache")})
+        actual = backend.attend(layer.q, layer.k_cache, layer.v_cache, planned, layer.scale)
+        torch.testing.assert_close(actual, unified_attention_ref(*layer.args()), atol=1e-5, rtol=0)
+    assert isinstance(planned.plan, CpuAttentionPlan) and len(planned.plan.layouts) == 1
+    next_step = make_batch(CASES["decode-longtail-gqa8-d128-b16"], seed=4)
+    actual = backend.attend(next_step.q, next_step.k_cache, next_step.v_cache, backend.plan(metadata_of(next_step)),
+                            next_step.scale)
+    torch.testing.assert_close(actual, unified_attention_ref(*next_step.args()), atol=1e-5, rtol=0)
+
+
+def test_padding_beyond_each_context_is_never_attended() -> None:
+    """Slots past a sequence's end hold huge values; a leak would swamp the output."""
+    case = CASES["mixed-gqa4-d80-b32"]
+    batch = make_batch(case)
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    for row, length in enumerate(case.seq_lens):
+        last_block = int(batch.block_table[row, (length - 1) // case.block_size])
+        k_cache[last_block, (length - 1) % case.block_size + 1 :] = 1e4
+        v_cache[last_block, (length - 1) % case.block_size + 1 :] = 1e4
+    backend = torch_backend()
+    actual = backend.attend(batch.q, k_cache, v_cache, backend.plan(metadata_of(batch)), batch.scale)
+    torch.testing.assert_close(actual, unified_attention_ref(*batch.args()), atol=1e-5, rtol=0)
+
+
+def test_unplanned_metadata_is_refused() -> None:
+    batch = make_batch(CASES["decode-gqa4-d64-b16"])
+    with pytest.raises(ValueError, match=r"plan\(metadata\) once per step"):
+        torch_backend().attend(batch.q, batch.k_cache, batch.v_cache, metadata_of(batch), batch.scale)
+
+
+def test_backends_by_name_and_by_device() -> None:
+    assert [attention_backend_named(name).name for name in BACKEND_NAMES] == list(BACKEND_NAMES)
+    assert attention_backend_named("torch-reference") is REFERENCE_BACKEND
+    assert select_attention_backend(torch.device("cpu"), use_triton=False).name == "torch"
+    with pytest.raises(ValueError, match="'flash' is not one of torch, triton, torch-reference"):
+        attention_backend_named("flash")
+
+
+def test_decodes_batch_by_similar_length_and_prefills_attend_alone() -> None:
+    case = CASES["decode-longtail-gqa8-d128-b16"]
+    planned = torch_backend().plan(metadata_of(make_batch(case))).plan
+    assert isinstance(planned, CpuAttentionPlan)
+    layout = planned.layout(case.block_size, case.dtype)
+    blocks = [-(-length // case.block_size) for length in case.seq_lens]
+    members = sorted(int(token) for batch in layout.decodes for token in batch.tokens)
+    assert members == list(range(len(case.seq_lens))) and len(layout.decodes) > 1 and not layout.prefills
+    for batch in layout.decodes:
+        widths = [blocks[int(token)] for token in batch.tokens]
+        assert batch.blocks_per_seq == max(widths) and min(widths) >= DECODE_BATCH_FILL * max(widths)
+    assert not layout.decodes_in_order
+
+    alike = CASES["decode-gqa4-d64-b16"]
+    layout = torch_backend().plan(metadata_of(make_batch(alike))).plan.layout(alike.block_size, alike.dtype)
+    assert layout.decodes_in_order and len(layout.decodes) == 1
+
+    mixed = CASES["mixed-gqa8-d96-b16"]
+    layout = torch_backend().plan(metadata_of(make_batch(mixed))).plan.layout(mixed.block_size, mixed.dtype)
+    assert [(chunk.start, chunk.query_len) for chunk in layout.prefills] == [(1, 6), (7, 4)]
+    assert sorted(int(token) for batch in layout.decodes for token in batch.tokens) == [0, 11]
