@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from pagedllm.worker.sampler import Sampler, SamplingRow, apply_penalties, make_generator
+from pagedllm.worker.sampler import PenaltyState, Sampler, SamplingRow, apply_penalties, make_generator
 from pagedllm.sampling_params import SamplingParams
 
 VOCAB = 12
@@ -22,7 +22,7 @@ def row(
     output: tuple[int, ...] = (),
     suppressed: tuple[int, ...] = (),
 ) -> SamplingRow:
-    return SamplingRow(params or SamplingParams(), generator, prompt, output, suppressed)
+    return SamplingRow(params or SamplingParams(), generator, PenaltyState(prompt, output), suppressed)
 
 
 def random_logits(rows: int, seed: int = 0) -> torch.Tensor:

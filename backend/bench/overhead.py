@@ -1,21 +1,22 @@
-"""Control-path cost per step (scheduler, KV manager, input building) at 64 / 256 / 1024 running requests.
+"""Host path per engine step (everything but the model forward) at 64 / 256 / 1024 running requests.
 
-A null model stands in for the forward pass (``NullEngine``): the real
-``Scheduler`` and ``KVCacheManager`` run steady-state decode steps for N
-requests (each step every request computes one token and "samples" a fixed
-one), and the real
-``ModelRunner.prepare`` flattens each step into the tensors a forward would
-take. Timed per step: ``schedule()``; the engine's bookkeeping after a
-forward (advance computed tokens, publish full blocks' prefix hashes, append
-the token); and ``prepare()``. For scale, the last columns time a whole
-``LLMEngine.step()`` of the tiny model at the same N (real forward, sampler
-and detokenizer): the control path's share of it is what the table is for.
+A real ``LLMEngine`` on the tiny checkpoint runs with its forward replaced by
+a null forward: the step is scheduled, the persistent input batch is filled
+and the attention plan built as for a real forward, then fixed logits come
+back instead of the model's. Everything else is the production path:
+sampling on those logits, ``update_from_output``, detokenization, stop
+strings and building the per-request outputs. Requests finish and arrive
+during the timed steps (each has its own length; finished ones are replaced
+at once by new prompts, whose prefill is in the timed steps too), so the
+table is the steady state of a busy server. The last column, a real step of
+the tiny model at the same N, gives the host path's share.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +26,16 @@ from tqdm import tqdm
 
 from pagedllm.bench import report
 from pagedllm.bench.models import bench_model
-from pagedllm.bench.null_engine import NullEngine
 from pagedllm.sampling_params import SamplingParams
+
+PHASES = ("schedule", "prepare", "sample", "update", "outputs")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--running", default="64,256,1024", help="comma-separated numbers of running requests")
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=30, help="timed decode steps per size (null model)")
-    parser.add_argument("--model-steps", type=int, default=5, help="timed engine steps per size (tiny model); 0 skips")
+    parser.add_argument("--steps", type=int, default=60, help="timed host-path steps per size")
+    parser.add_argument("--model-steps", type=int, default=5, help="timed real engine steps per size; 0 skips")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--tiny", action="store_true", help="small sizes, few steps (for tests)")
     parser.add_argument("--threads", type=int, default=1)
@@ -43,74 +45,70 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     report.set_threads(args.threads)
     sizes = [4, 16] if args.tiny else [int(n) for n in args.running.split(",")]
-    steps, model_steps, prompt_len = (3, 1, 8) if args.tiny else (args.steps, args.model_steps, args.prompt_len)
+    steps, model_steps, prompt_len = (4, 1, 8) if args.tiny else (args.steps, args.model_steps, args.prompt_len)
     if min(sizes) < 1 or steps < 1:
         raise ValueError("--running sizes and --steps must be >= 1")
     info = report.machine()
     print(report.header("pagedllm bench overhead", info))
-    runner = _null_runner(args.block_size)
     rows = []
     for n in tqdm(sizes, desc="sizes"):
-        row = {"running": n, **null_model_step(n, prompt_len, steps, args.block_size, runner)}
+        row: dict[str, Any] = {"running": n, **host_path_step(n, prompt_len, steps, args.block_size)}
         row["engine_step_ms"] = engine_step_ms(n, prompt_len, model_steps, args.block_size) if model_steps else None
-        control = row["schedule_ms"] + row["update_ms"] + row["prepare_ms"]
-        row["control_ms"] = control
-        row["control_share"] = control / row["engine_step_ms"] if row["engine_step_ms"] else None
+        row["host_share"] = row["host_ms"] / row["engine_step_ms"] if row["engine_step_ms"] else None
         rows.append(row)
-    print(f"## decode steps, prompt {prompt_len} tokens, block {args.block_size}; median over {steps} null-model "
-          f"steps and {model_steps} tiny-model engine steps\n")
+    print(f"## host path per step, prompt {prompt_len} tokens, block {args.block_size}: median over {steps} steps "
+          "with requests finishing and arriving; phases are medians too, so they need not add up\n")
     print(report.markdown_table(
-        ("running", "schedule ms", "KV + bookkeeping ms", "prepare ms", "control path ms", "µs / request",
-         "tiny engine step ms", "control share"),
-        [[r["running"], r["schedule_ms"], r["update_ms"], r["prepare_ms"], r["control_ms"],
-          1000 * r["control_ms"] / r["running"], r["engine_step_ms"],
-          None if r["control_share"] is None else f"{100 * r['control_share']:.0f}%"] for r in rows]))
+        ("running", "host path ms", *(f"{phase} ms" for phase in PHASES), "µs / request", "finished / step",
+         "tiny engine step ms", "host share"),
+        [[r["running"], r["host_ms"], *(r[f"{phase}_ms"] for phase in PHASES), 1000 * r["host_ms"] / r["running"],
+          r["finished_per_step"], r["engine_step_ms"],
+          None if r["host_share"] is None else f"{100 * r['host_share']:.0f}%"] for r in rows]))
     report.write_json(args.out / "overhead.json", {"machine": info, "prompt_len": prompt_len, "rows": rows})
     print(f"wrote {args.out / 'overhead.json'}")
 
 
-def null_model_step(n: int, prompt_len: int, steps: int, block_size: int, runner: Any) -> dict[str, float]:
-    """Median ms per decode step of schedule / bookkeeping / prepare with ``n`` running requests."""
-    max_tokens = _max_tokens(n, prompt_len, steps)
-    blocks_per_seq = -(-(prompt_len + max_tokens) // block_size)
-    engine = NullEngine(n * blocks_per_seq + 1, block_size, max_num_seqs=n, max_num_batched_tokens=_budget(n))
+def host_path_step(n: int, prompt_len: int, steps: int, block_size: int) -> dict[str, float]:
+    """Median ms of a whole ``LLMEngine.step()`` with a null forward, and of each phase in it."""
+    llm = _engine(n, prompt_len, 4 * steps, block_size)
+    engine = llm.engine
+    timings: dict[str, list[float]] = {phase: [] for phase in PHASES}
+    _install_null_forward(engine)
+    _time_phases(engine, timings)
     rng = np.random.default_rng(n)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    for _ in range(n):
-        engine.add_request([int(t) for t in rng.integers(1, 2048, prompt_len)], params)
-    scheduler = engine.scheduler
-    while scheduler.waiting or any(seq.num_output_tokens == 0 for seq in scheduler.running):
-        engine.step()  # prefill, untimed
-    timings: dict[str, list[float]] = {"schedule_ms": [], "update_ms": [], "prepare_ms": []}
+    arrivals = iter(range(1 << 30))
+
+    def top_up() -> None:
+        while engine.stats().num_running + engine.stats().num_waiting < n:
+            max_tokens = int(rng.integers(steps // 2 + 1, 3 * steps + 2))
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+            engine.add_request(str(next(arrivals)), [int(t) for t in rng.integers(1, 2000, prompt_len)], params)
+
+    top_up()
+    for _ in range(steps):  # warm up: everyone prefilled, lengths staggered
+        engine.step()
+        top_up()
+    for values in timings.values():
+        values.clear()
+    totals, finished = [], 0
     for _ in range(steps):
-        t0 = time.perf_counter()
-        out = scheduler.schedule()
-        t1 = time.perf_counter()
-        runner.prepare(out)
-        t2 = time.perf_counter()
-        scheduler.update_from_output(out, [7] * len(out.samples))
-        t3 = time.perf_counter()
-        if len(out.scheduled) != n or out.preempted:
-            raise RuntimeError(f"expected {n} decodes and no preemption, got {len(out.scheduled)} scheduled")
-        timings["schedule_ms"].append(1000 * (t1 - t0))
-        timings["prepare_ms"].append(1000 * (t2 - t1))
-        timings["update_ms"].append(1000 * (t3 - t2))
-    return {key: statistics.median(values) for key, values in timings.items()}
+        start = time.perf_counter()
+        outputs = engine.step()
+        totals.append(1000 * (time.perf_counter() - start))
+        finished += sum(out.finished for out in outputs)
+        top_up()
+    result = {f"{phase}_ms": statistics.median(values) if values else 0.0 for phase, values in timings.items()}
+    return {"host_ms": statistics.median(totals), "finished_per_step": finished / steps, **result}
 
 
 def engine_step_ms(n: int, prompt_len: int, steps: int, block_size: int) -> float:
     """Median wall ms of one real ``LLMEngine.step()`` of the tiny model decoding ``n`` requests."""
-    from pagedllm import LLM
-
-    max_tokens = _max_tokens(n, prompt_len, steps)
-    blocks = n * -(-(prompt_len + max_tokens) // block_size) + 1
-    llm = LLM(model=str(bench_model("tiny")), dtype="float32", block_size=block_size, num_kv_blocks=blocks,
-              max_num_seqs=n, max_num_batched_tokens=_budget(n), max_model_len=prompt_len + max_tokens)
+    llm = _engine(n, prompt_len, steps + 8, block_size)
     engine = llm.engine
     rng = np.random.default_rng(n)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0.0)
     for i in range(n):
-        engine.add_request(str(i), [int(t) for t in rng.integers(1, 2048, prompt_len)], params)
+        engine.add_request(str(i), [int(t) for t in rng.integers(1, 2000, prompt_len)], params)
     while any(seq.num_output_tokens == 0 for seq in [*engine.scheduler.running, *engine.scheduler.waiting]):
         engine.step()
     times = []
@@ -121,24 +119,45 @@ def engine_step_ms(n: int, prompt_len: int, steps: int, block_size: int) -> floa
     return statistics.median(times)
 
 
-def _budget(n: int) -> int:
-    return max(2048, n)
+def _engine(n: int, prompt_len: int, max_tokens: int, block_size: int) -> Any:
+    from pagedllm import LLM
+
+    max_model_len = prompt_len + max_tokens + 8
+    blocks = n * -(-max_model_len // block_size) + 1
+    return LLM(model=str(bench_model("tiny")), dtype="float32", block_size=block_size, num_kv_blocks=blocks,
+               max_num_seqs=n, max_num_batched_tokens=max(2048, n), max_model_len=max_model_len)
 
 
-def _max_tokens(n: int, prompt_len: int, steps: int) -> int:
-    """Enough that nobody finishes during the timed steps: early requests decode while later ones prefill."""
-    # Decodes share the step budget with the prefills, so prefilling everyone takes at most this many steps.
-    prefill_steps = -(-n * prompt_len // max(_budget(n) - n, 1))
-    return steps + prefill_steps + 8
+def _install_null_forward(engine: Any) -> None:
+    """Replace only the model forward: prepare and plan run as in a real step, fixed logits come back."""
+    runner = engine.runner
+    vocab = engine.model.vocab_size
+    logits = torch.randn(engine.scheduler.max_num_seqs, vocab, generator=torch.Generator().manual_seed(0))
+
+    def execute(step: Any) -> torch.Tensor:
+        inputs = runner.prepare(step)
+        runner.attention.plan(inputs.attn)
+        return logits[: inputs.logits_indices.numel()]
+
+    runner.execute = execute
 
 
-def _null_runner(block_size: int) -> Any:
-    """A ModelRunner with a one-block cache: ``prepare`` only builds host tensors and never touches the cache."""
-    from pagedllm.worker.attention_backend import select_attention_backend
-    from pagedllm.worker.model_runner import ModelRunner
-    from pagedllm.models import load_model
+def _time_phases(engine: Any, timings: dict[str, list[float]]) -> None:
+    """Wrap the step's phases with timers (each phase is one call per step)."""
+    def timed(owner: Any, name: str, phase: str) -> None:
+        inner: Callable[..., Any] = getattr(owner, name)
 
-    device = torch.device("cpu")
-    attention = select_attention_backend(device)
-    model = load_model(bench_model("tiny"), torch.float32, device, attention)
-    return ModelRunner(model, attention, 1, block_size, torch.float32, device)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                timings[phase].append(1000 * (time.perf_counter() - start))
+
+        setattr(owner, name, wrapper)
+
+    timed(engine.scheduler, "schedule", "schedule")
+    timed(engine.runner, "prepare", "prepare")
+    timed(engine, "_sample", "sample")
+    timed(engine.scheduler, "update_from_output", "update")
+    timed(engine, "_emit_all", "outputs")

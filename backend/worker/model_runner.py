@@ -3,23 +3,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from pagedllm.worker.attention_backend import AttentionBackend
-from pagedllm.worker.attention_metadata import AttentionMetadata
+from pagedllm.worker.input_batch import InputBatch, StepInputs
 from pagedllm.models import CausalLM
 from pagedllm.core.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)
-class StepInputs:
-    """Host-built tensors of one step, moved to the device in one go."""
+class BatchLimits:
+    """The most a step can hold, which sizes the persistent input batch."""
 
-    input_ids: torch.Tensor  # int64 [num_tokens]
-    positions: torch.Tensor  # int64 [num_tokens]
-    attn: AttentionMetadata
-    logits_indices: torch.Tensor  # int64 [num_sampled]: the flat index of each sampled sequence's last token
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
 
 
 class ModelRunner:
@@ -33,11 +31,14 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        limits: BatchLimits,
     ) -> None:
         self.model = model
         self.attention = attention
         self.block_size = block_size
         self.device = device
+        self.input_batch = InputBatch(limits.max_num_seqs, limits.max_num_batched_tokens,
+                                      -(-limits.max_model_len // block_size), block_size, device)
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -61,40 +62,4 @@ class ModelRunner:
 
     def prepare(self, step: SchedulerOutput) -> StepInputs:
         """Flatten the scheduled chunks into one token batch and its attention layout."""
-        bs = self.block_size
-        query_lens = np.fromiter((s.num_tokens for s in step.scheduled), dtype=np.int64)
-        starts = np.fromiter((s.seq.num_computed_tokens for s in step.scheduled), dtype=np.int64)
-        seq_lens = starts + query_lens
-        query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-
-        # Position of every flat token inside its own sequence.
-        seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
-        positions = np.arange(num_tokens) - query_start_loc[seq_of_token] + starts[seq_of_token]
-
-        max_blocks = max(len(s.seq.block_ids) for s in step.scheduled)
-        block_table = np.zeros((len(query_lens), max_blocks), dtype=np.int64)
-        input_ids = np.empty(num_tokens, dtype=np.int64)
-        for i, item in enumerate(step.scheduled):
-            seq = item.seq
-            block_table[i, : len(seq.block_ids)] = seq.block_ids
-            lo, hi = query_start_loc[i], query_start_loc[i + 1]
-            input_ids[lo:hi] = seq.token_ids[starts[i] : seq_lens[i]]
-        slot_mapping = block_table[seq_of_token, positions // bs] * bs + positions % bs
-
-        sampled = [i for i, item in enumerate(step.scheduled) if item.completes_prefill]
-        logits_indices = query_start_loc[1:][sampled] - 1
-
-        def put(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(array).to(device=self.device, dtype=dtype, non_blocking=True)
-
-        attn = AttentionMetadata(
-            query_start_loc=put(query_start_loc, torch.int32),
-            seq_lens=put(seq_lens, torch.int32),
-            block_table=put(block_table, torch.int32),
-            slot_mapping=put(slot_mapping, torch.int64),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
-        return StepInputs(put(input_ids, torch.int64), put(positions, torch.int64), attn, put(logits_indices, torch.int64))
+        return self.input_batch.prepare(step)

@@ -15,14 +15,50 @@ import torch
 from pagedllm.sampling_params import SamplingParams
 
 
+class PenaltyState:
+    """One sample's prompt-token mask and output-token counts for the penalties, kept incrementally.
+
+    ``append`` is O(1) per sampled token; the vocabulary-sized tensors are built
+    on first use and then only updated with the tokens appended since, so a
+    step never walks a sample's whole context.
+    """
+
+    __slots__ = ("_prompt", "_pending", "_mask", "_counts")
+
+    def __init__(self, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int] = ()) -> None:
+        self._prompt = tuple(prompt_token_ids)
+        self._pending = list(output_token_ids)
+        self._mask: torch.Tensor | None = None
+        self._counts: torch.Tensor | None = None
+
+    def append(self, token_id: int) -> None:
+        self._pending.append(token_id)
+
+    def tensors(self, vocab: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(in_prompt bool [vocab], output counts [vocab])."""
+        if self._mask is None or self._counts is None:
+            self._mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+            self._mask[torch.tensor(self._prompt, dtype=torch.long, device=device)] = True
+            self._counts = torch.zeros(vocab, dtype=dtype, device=device)
+            self._prompt = ()
+        if self._pending:
+            ids = torch.tensor(self._pending, dtype=torch.long, device=device)
+            self._counts.index_add_(0, ids, torch.ones(len(self._pending), dtype=dtype, device=device))
+            self._pending.clear()
+        return self._mask, self._counts
+
+
+def needs_penalties(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingRow:
     """What the sampler needs to know about one row of the logits."""
 
     params: SamplingParams
     generator: torch.Generator | None  # seeded per sample; None draws from the global RNG
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]  # generated so far, for the penalties
+    penalties: PenaltyState | None  # the sample's token history, when its params have penalties
     suppressed_token_ids: tuple[int, ...]  # must not be sampled now (EOS/stop ids under min_tokens)
 
 
@@ -59,13 +95,16 @@ class Sampler:
         if not rows:
             return []
         raw = logits.float()
+        greedy_rows = [i for i, row in enumerate(rows) if row.params.greedy]
+        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        edits = any(row.suppressed_token_ids or needs_penalties(row.params) for row in rows)
+        if not edits and not random_rows:  # the common greedy batch: nothing to copy or mask
+            return _results(raw, raw.argmax(dim=-1), rows)
         work = raw.clone()
         apply_penalties(work, rows)
         apply_suppression(work, rows)
 
         chosen = torch.empty(len(rows), dtype=torch.long, device=work.device)
-        greedy_rows = [i for i, row in enumerate(rows) if row.params.greedy]
-        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if greedy_rows:
             index = _index(greedy_rows, work.device)
             chosen[index] = work[index].argmax(dim=-1)
@@ -79,19 +118,9 @@ def _index(positions: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(positions, dtype=torch.long, device=device)
 
 
-def _padded(sequences: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
-    width = max((len(s) for s in sequences), default=0)
-    table = [list(s) + [pad] * (width - len(s)) for s in sequences]
-    return torch.tensor(table, dtype=torch.long, device=device).view(len(sequences), width)
-
-
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     """Repetition (prompt + output), then frequency and presence (output only), in place."""
-    penalized = [
-        i for i, row in enumerate(rows)
-        if row.params.repetition_penalty != 1.0 or row.params.presence_penalty != 0.0
-        or row.params.frequency_penalty != 0.0
-    ]
+    penalized = [i for i, row in enumerate(rows) if needs_penalties(row.params)]
     if not penalized:
         return
     device = logits.device
@@ -99,22 +128,16 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     index = _index(penalized, device)
     sub = logits[index]
     chosen_rows = [rows[i] for i in penalized]
-    # Padding points at an extra column that is dropped, so pads never count.
-    outputs = _padded([r.output_token_ids for r in chosen_rows], vocab, device)
-    counts = torch.zeros(len(chosen_rows), vocab + 1, dtype=sub.dtype, device=device)
-    counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=sub.dtype))
-    counts = counts[:, :vocab]
+    states = [(row.penalties or PenaltyState(())).tensors(vocab, device, sub.dtype) for row in chosen_rows]
+    in_prompt = torch.stack([mask for mask, _ in states])
+    counts = torch.stack([count for _, count in states])
     in_output = counts > 0
 
     if any(r.params.repetition_penalty != 1.0 for r in chosen_rows):
         repetition = torch.tensor([r.params.repetition_penalty for r in chosen_rows], dtype=sub.dtype, device=device)
-        prompts = _padded([r.prompt_token_ids for r in chosen_rows], vocab, device)
-        seen = torch.zeros(len(chosen_rows), vocab + 1, dtype=torch.bool, device=device)
-        seen.scatter_(1, prompts, True)
-        seen = seen[:, :vocab] | in_output
         factor = repetition.unsqueeze(1)
         penalized_values = torch.where(sub > 0, sub / factor, sub * factor)
-        sub = torch.where(seen, penalized_values, sub)
+        sub = torch.where(in_prompt | in_output, penalized_values, sub)
 
     frequency = torch.tensor([r.params.frequency_penalty for r in chosen_rows], dtype=sub.dtype, device=device)
     presence = torch.tensor([r.params.presence_penalty for r in chosen_rows], dtype=sub.dtype, device=device)

@@ -1,0 +1,159 @@
+"""The persistent input batch: host buffers reused every step, block tables kept row by row.
+
+Each running sequence owns a row of one preallocated block table, written
+incrementally: a step copies only the block ids a sequence gained (and
+rewrites its last one, which copy-on-write may have replaced), never its whole
+table. A step's token ids, positions, lengths and slots are written into
+preallocated arrays; on CUDA they live in pinned memory so the copy to the
+device is asynchronous. Decode batches are padded to a few bucketed sizes
+(padding tokens write no KV), so a decode step has a handful of shapes that a
+CUDA graph could capture.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.core.request import Sequence
+from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.worker.attention_metadata import AttentionMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    """Device tensors of one step."""
+
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # int64 [num_sampled]: the flat index of each sampled sequence's last token
+
+
+def batch_size_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Padded decode batch sizes: 1, 2, 4, 8, then multiples of 8 up to ``max_num_seqs``."""
+    small = [size for size in (1, 2, 4) if size < max_num_seqs]
+    return (*small, *range(8, max_num_seqs + 8, 8))
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
+                 block_size: int, device: torch.device, pad_decodes: bool = False) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.pad_decodes = pad_decodes
+        self.buckets = batch_size_buckets(max_num_seqs)
+        max_tokens = max(max_num_batched_tokens, self.buckets[-1])
+        max_rows = self.buckets[-1]
+        pin = device.type == "cuda"
+
+        def buffer(*shape: int) -> np.ndarray:
+            return torch.zeros(shape, dtype=torch.int64, pin_memory=pin).numpy()
+
+        self._input_ids = buffer(max_tokens)
+        self._positions = buffer(max_tokens)
+        self._slot_mapping = buffer(max_tokens)
+        self._query_start_loc = buffer(max_rows + 1)
+        self._seq_lens = buffer(max_rows)
+        self._logits_indices = buffer(max_rows)
+        self._step_table = buffer(max_rows, max_blocks_per_seq)
+        # One row per running sequence; rows are recycled when sequences finish or are preempted.
+        self._tables = np.zeros((max_rows, max_blocks_per_seq), dtype=np.int64)
+        self._table_lens = np.zeros(max_rows, dtype=np.int64)
+        self._row_of: dict[int, int] = {}
+        self._free_rows = list(range(max_rows - 1, -1, -1))
+
+    def prepare(self, step: SchedulerOutput) -> StepInputs:
+        for seq in step.preempted:
+            self._release(seq.seq_id)
+        for seq_id in step.finished_seq_ids:
+            self._release(seq_id)
+        scheduled = step.scheduled
+        num_seqs = len(scheduled)
+        query_lens = np.fromiter((item.num_tokens for item in scheduled), dtype=np.int64, count=num_seqs)
+        starts = np.fromiter((item.seq.num_computed_tokens for item in scheduled), dtype=np.int64, count=num_seqs)
+        rows = np.fromiter((self._sync_row(item.seq) for item in scheduled), dtype=np.int64, count=num_seqs)
+        num_tokens = int(query_lens.sum())
+        is_decode = num_tokens == num_seqs
+        padded_seqs = self._bucket(num_seqs) if is_decode and self.pad_decodes else num_seqs
+        padded_tokens = padded_seqs if is_decode else num_tokens
+
+        query_start_loc = self._query_start_loc[: padded_seqs + 1]
+        query_start_loc[0] = 0
+        np.cumsum(query_lens, out=query_start_loc[1 : num_seqs + 1])
+        query_start_loc[num_seqs + 1 :] = np.arange(num_tokens + 1, padded_tokens + 1)
+        seq_lens = self._seq_lens[:padded_seqs]
+        np.add(starts, query_lens, out=seq_lens[:num_seqs])
+        seq_lens[num_seqs:] = 1
+
+        input_ids = self._input_ids[:padded_tokens]
+        if is_decode:
+            input_ids[:num_seqs] = [item.seq.token_ids[-1] for item in scheduled]
+        else:
+            input_ids[:num_tokens] = [t for item in scheduled for t in
+                                      item.seq.token_ids[item.seq.num_computed_tokens :
+                                                         item.seq.num_computed_tokens + item.num_tokens]]
+        input_ids[num_tokens:] = 0
+
+        seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+        positions = self._positions[:padded_tokens]
+        np.add(np.arange(num_tokens) - query_start_loc[seq_of_token], starts[seq_of_token], out=positions[:num_tokens])
+        positions[num_tokens:] = 0
+
+        width = int(self._table_lens[rows].max())
+        table = self._step_table[:padded_seqs, :width]
+        table[:num_seqs] = self._tables[rows, :width]
+        table[num_seqs:] = 0
+        slot_mapping = self._slot_mapping[:padded_tokens]
+        bs = self.block_size
+        np.add(table[seq_of_token, positions[:num_tokens] // bs] * bs, positions[:num_tokens] % bs,
+               out=slot_mapping[:num_tokens])
+        slot_mapping[num_tokens:] = -1  # padding writes no KV
+
+        completing = [i for i, item in enumerate(scheduled) if item.completes_prefill]
+        logits_indices = self._logits_indices[: len(completing)]
+        logits_indices[:] = query_start_loc[1:][completing] - 1
+
+        put = self._to_device
+        attn = AttentionMetadata(
+            query_start_loc=put(query_start_loc, torch.int32),
+            seq_lens=put(seq_lens, torch.int32),
+            block_table=put(table, torch.int32),
+            slot_mapping=put(slot_mapping, torch.int64),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        return StepInputs(put(input_ids, torch.int64), put(positions, torch.int64), attn,
+                          put(logits_indices, torch.int64))
+
+    def _sync_row(self, seq: Sequence) -> int:
+        """The sequence's table row, with any block ids it gained since the last step written in."""
+        block_ids = seq.block_ids
+        row = self._row_of.get(seq.seq_id)
+        if row is None:
+            row = self._free_rows.pop()
+            self._row_of[seq.seq_id] = row
+            self._table_lens[row] = 0
+        known = int(self._table_lens[row])
+        # The last known block may have been replaced by a copy-on-write: rewrite it too.
+        start = max(known - 1, 0)
+        if start < len(block_ids):
+            self._tables[row, start : len(block_ids)] = block_ids[start:]
+        self._table_lens[row] = len(block_ids)
+        return row
+
+    def _release(self, seq_id: int) -> None:
+        row = self._row_of.pop(seq_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+
+    def _bucket(self, num_seqs: int) -> int:
+        return next(size for size in self.buckets if size >= num_seqs)
+
+    def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cpu":
+            # The buffers are overwritten next step; the forward has finished with them by then.
+            return tensor if tensor.dtype == dtype else tensor.to(dtype)
+        return tensor.to(device=self.device, dtype=dtype, non_blocking=True)
