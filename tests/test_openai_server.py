@@ -9,6 +9,7 @@ fp32), token counts with the tokenizer's.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import requests
@@ -198,20 +200,25 @@ def test_bad_requests_get_openai_errors_naming_the_field(client: openai.OpenAI) 
         client.completions.create(model="no-such-model", prompt="x", max_tokens=4)
 
 
-def test_a_client_disconnect_cancels_the_request_and_frees_its_blocks(serve: Serve) -> None:
+@pytest.mark.parametrize("stream", [True, False], ids=["mid-stream", "while-waiting"])
+def test_a_client_disconnect_cancels_the_request_and_frees_its_blocks(serve: Serve, stream: bool) -> None:
     max_tokens = MAX_MODEL_LEN - 32
     body = {"model": SERVED_NAME, "prompt": "def f(x):", "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": stream}
     generated_before = metric(serve.metrics_url, "generation_tokens_total")
-    with requests.post(serve.openai_url + "/completions", json=body, stream=True, timeout=120) as response:
-        assert response.status_code == 200
-        lines = response.iter_lines()
-        assert [next(lines) for _ in range(6)][0].startswith(b"data: ")
-        deadline = time.monotonic() + 60
-        while metric(serve.metrics_url, "kv_blocks_used") == 0:  # the gauge is refreshed every few steps
-            assert time.monotonic() < deadline, "kv_blocks_used never rose while a request was streaming"
-            time.sleep(0.05)
-    # Leaving the block closed the connection mid-stream.
+    address = urlsplit(serve.openai_url)
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=120)
+    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    if stream:
+        response = connection.getresponse()
+        assert response.status == 200
+        events = [response.readline() for _ in range(6)]  # three events, each "data: {...}" and a blank line
+        assert all(line.startswith(b"data: {") for line in events[::2]), events
+    deadline = time.monotonic() + 60
+    while metric(serve.metrics_url, "kv_blocks_used") == 0:  # the gauge is refreshed every few steps
+        assert time.monotonic() < deadline, "kv_blocks_used never rose while the request was running"
+        time.sleep(0.05)
+    connection.close()
     deadline = time.monotonic() + 60
     while metric(serve.metrics_url, "kv_blocks_used") != 0:
         assert time.monotonic() < deadline, "the cancelled request's KV blocks were not freed"
