@@ -71,6 +71,21 @@ def _reap_stubs(group: int) -> None:
         return  # the server shut down cleanly: nothing left in its group
     for region in regions:
         (Path("/dev/shm") / region).unlink(missing_ok=True)
+    _wait_until_empty(group, timeout_s=5.0)
+
+
+def _wait_until_empty(group: int, timeout_s: float) -> None:
+    """Wait for the killed members of ``group`` to go (they are not our children: we cannot reap them)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(not _is_zombie(pid) for pid, _ in _group_members(group)):
+        time.sleep(0.05)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True  # gone
 
 
 def _send(pid: int, signum: int) -> None:
@@ -115,7 +130,7 @@ class TritonServer:
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         startup_timeout_s: float = 600.0,
-        exit_timeout_s: int = 15,
+        exit_timeout_s: int = 8,
     ) -> None:
         self.model_repository = Path(model_repository).resolve()
         if not self.model_repository.is_dir():
@@ -242,7 +257,7 @@ class TritonServer:
             raise RuntimeError("server not started")
         return self._process.wait()
 
-    def stop(self, timeout_s: float = 20.0) -> None:
+    def stop(self, timeout_s: float = 12.0) -> None:
         """Shut the server down within about ``timeout_s``, killing what overstays; idempotent.
 
         The backend stubs get SIGTERM first: a ``pagedllm`` model then ends its in-flight
@@ -250,6 +265,11 @@ class TritonServer:
         streams. The server gets SIGINT (models are unloaded, ``finalize`` runs). Whatever
         is still alive after ``timeout_s``, server or stub, gets SIGKILL, and the stubs'
         shared-memory regions are removed.
+
+        Seen with the 2.51 server: while a client keeps a gRPC stream open, the model is
+        never unloaded (it stays "live" after its last request ended), the server logs
+        "Exit timeout expired. Exiting immediately." after ``exit_timeout_s`` and then
+        hangs; the SIGKILL at ``timeout_s`` ends it. With clients gone it exits in ~3 s.
         """
         process, self._process = self._process, None
         if process is not None:
