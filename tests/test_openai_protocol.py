@@ -70,6 +70,9 @@ def test_refusals_are_openai_error_json_naming_the_field(http: TestClient, route
     assert error["type"] == ("invalid_request_error" if status == 400 else "not_found_error")
 
 
-def test_health_is_503_while_triton_cannot_be_reached(http: TestClient) -> None:
+def test_requests_are_503_while_triton_cannot_be_reached(http: TestClient) -> None:
     assert http.get("/health").status_code == 503
+    response = http.post("/v1/completions", json={"model": "plain", "prompt": "x"})
+    assert response.status_code == 503
+    assert response.json()["error"]["type"] == "service_unavailable_error"
     assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["plain"]

@@ -67,9 +67,9 @@ def build_app(grpc_url: str, models: Sequence[ServedModel]) -> FastAPI:
             prompt, sampling = body.prompt_text(), body.sampling_parameters()
         except ValueError as error:
             raise bad_request(error) from error
-        builder = ResponseBuilder("completion", model.name, body.n, echo=prompt if body.echo else "")
         if body.stream and body.echo:
             raise OpenAIError(400, "echo: not supported together with stream", "echo")
+        builder = ResponseBuilder("completion", model.name, body.n, echo=prompt if body.echo else "")
         return await _answer(request, _bridge(bridge), model, prompt, sampling, builder, body.stream,
                              body.include_usage)
 

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
@@ -87,6 +88,9 @@ class TritonBridge:
                 yield _decode(result, top_logprobs)
         except InferenceServerException as error:
             raise _as_openai_error(str(error)) from error
+        except grpc.aio.AioRpcError as error:  # the call itself failed: Triton is down or went away
+            status = 503 if error.code() == grpc.StatusCode.UNAVAILABLE else 500
+            raise OpenAIError(status, f"the Triton server could not be reached: {error.details()}") from error
         finally:
             call.cancel()  # a no-op once Triton has ended the call; otherwise cancels the request
 
