@@ -60,6 +60,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Beam search (off at width 1): transformers' ``num_beams``, ``length_penalty`` and
+    # ``early_stopping`` (True, False or "never"); ``n`` picks how many hypotheses come back.
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,6 +98,35 @@ class SamplingParams:
         _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
                f"<{len(self.stop_token_ids)} ids>", f"at most {MAX_STOP_TOKEN_IDS} ids")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids, "must be >= 0")
+        self._validate_beam_search()
+
+    def _validate_beam_search(self) -> None:
+        """Beam search is deterministic and scores raw log-probabilities: what would change either is refused."""
+        _check(self.beam_width >= 1, "beam_width", self.beam_width, "must be >= 1 (1 turns beam search off)")
+        _check(self.early_stopping in (True, False, "never"), "early_stopping", self.early_stopping,
+               'must be true, false or "never"')
+        if not self.use_beam_search:
+            _check(self.length_penalty == 1.0, "length_penalty", self.length_penalty, "applies only with beam_width > 1")
+            _check(self.early_stopping is False, "early_stopping", self.early_stopping,
+                   "applies only with beam_width > 1")
+            return
+        rule = f"does not apply to beam search (beam_width={self.beam_width})"
+        _check(self.n <= self.beam_width, "n", self.n, f"must be <= beam_width ({self.beam_width})")
+        _check(self.greedy, "temperature", self.temperature, f"must be 0 with beam_width={self.beam_width}: beam search is deterministic")
+        _check(self.top_p == 1.0, "top_p", self.top_p, rule)
+        _check(self.top_k == -1, "top_k", self.top_k, rule)
+        _check(self.min_p == 0.0, "min_p", self.min_p, rule)
+        _check(self.repetition_penalty == 1.0, "repetition_penalty", self.repetition_penalty, rule)
+        _check(self.presence_penalty == 0.0, "presence_penalty", self.presence_penalty, rule)
+        _check(self.frequency_penalty == 0.0, "frequency_penalty", self.frequency_penalty, rule)
+        _check(self.seed is None, "seed", self.seed, rule)
+        _check(self.min_tokens == 0, "min_tokens", self.min_tokens, rule)
+        _check(not self.stop, "stop", self.stop, f"{rule}: stop strings are text; use stop_token_ids")
+        _check(self.logprobs is None, "logprobs", self.logprobs, f"{rule}: use cumulative_logprob")
+
+    @property
+    def use_beam_search(self) -> bool:
+        return self.beam_width > 1
 
     @property
     def greedy(self) -> bool:

@@ -5,13 +5,15 @@ Each step schedules, then applies the step through the scheduler's own
 "sampled" token standing in for the sampler. EOS never ends a request (as in
 every benchmark workload), so KV occupancy and scheduling match a real run
 token for token (the benchmark tests check this against ``LLMEngine``), at a
-tiny cost.
+tiny cost. Beam groups take stand-in candidates too: every beam extends itself by
+the constant token, so a group keeps its width until ``max_tokens``.
 """
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
 
+from pagedllm.core.beam_search import BeamCandidate, BeamSearch
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput, StopPolicy
@@ -48,7 +50,9 @@ class NullEngine:
 
     def step(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
-        for seq in self.scheduler.update_from_output(out, [NULL_TOKEN] * len(out.samples)):
+        candidates = [null_candidates(batch.request.beam_search, len(batch.beams))
+                      for batch in out.beams if batch.request.beam_search is not None]
+        for seq in self.scheduler.update_from_output(out, [NULL_TOKEN] * len(out.samples), candidates):
             if seq.request.is_finished:
                 self._unfinished.discard(seq.request)
         return out
@@ -57,3 +61,10 @@ class NullEngine:
     def tokens_held(self) -> int:
         """Tokens whose K/V the running sequences hold (shared prefixes counted once per sequence)."""
         return sum(seq.num_computed_tokens for seq in self.scheduler.running)
+
+
+def null_candidates(search: BeamSearch, num_beams: int) -> list[BeamCandidate]:
+    """Stand-in candidates, best first: each live beam extends itself (the first step forks the prompt)."""
+    candidates = [BeamCandidate(r % num_beams, NULL_TOKEN, search.scores[r % num_beams] - 1.0 - 1e3 * (r // num_beams))
+                  for r in range(search.num_candidates)]
+    return sorted(candidates, key=lambda c: -c.cumulative_logprob)

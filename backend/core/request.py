@@ -11,6 +11,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from pagedllm.core.beam_search import BeamSearch
 from pagedllm.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -33,7 +34,7 @@ class Sequence:
 
     seq_id: int
     request: Request
-    index: int  # which of the request's n samples
+    index: int  # which of the request's n samples (beams: order of creation)
     token_ids: list[int]
     num_prompt_tokens: int
     num_computed_tokens: int = 0
@@ -65,26 +66,37 @@ class Sequence:
 
     @property
     def pending_forks(self) -> int:
-        """Siblings this sequence will spawn when it samples its first token (``n > 1``)."""
+        """Siblings this sequence will spawn when it samples its first token (``n > 1``, or the other beams)."""
         request = self.request
         if self.num_output_tokens > 0 or self is not request.sequences[0]:
             return 0
-        return request.params.n - len(request.sequences)
+        return request.fan_out - len(request.sequences)
 
 
 @dataclass(eq=False, slots=True)
 class Request:
-    """What a client asked for: one prompt, ``params.n`` samples."""
+    """What a client asked for: one prompt, ``params.n`` samples, or a beam search over ``params.beam_width`` beams."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
-    sequences: list[Sequence] = field(default_factory=list)
+    sequences: list[Sequence] = field(default_factory=list)  # beams: every beam ever forked, dead ones too
+    # Beam search only: its state (set by the scheduler when the request is added), and the live
+    # beams in the order of ``beam_search.scores``, best first; they run side by side.
+    beam_search: BeamSearch | None = None
+    beams: list[Sequence] = field(default_factory=list)
+
+    @property
+    def fan_out(self) -> int:
+        """How many sequences run side by side once the first token is sampled."""
+        return self.params.beam_width if self.params.use_beam_search else self.params.n
 
     @property
     def is_finished(self) -> bool:
+        if self.params.use_beam_search:
+            return all(s.is_finished for s in self.sequences)
         return len(self.sequences) == self.params.n and all(s.is_finished for s in self.sequences)
 
     def spawn(self, token_ids: list[int]) -> Sequence:

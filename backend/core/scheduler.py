@@ -11,6 +11,15 @@ back to the front of the queue.
 engine, the null-model engine and the property tests all call it): computed
 tokens advance, full blocks are published to the prefix cache, sampled tokens
 are appended, token-level stops are checked and finished sequences freed.
+
+Beam search: the live beams of a request are one unit. They sit side by side in
+``running`` (and in ``waiting`` once preempted), are admitted only all together,
+compute their last tokens in the same step (chunked prefill stops each beam
+short of its last token until all of them can reach it), and are preempted
+together. ``update_from_output`` takes the step's best candidates per group,
+lets ``BeamSearch`` pick the survivors, forks them from their parents (block
+tables shared, the partial last block copied on write at the next allocate)
+and frees the beams no survivor extends at once.
 """
 from __future__ import annotations
 
@@ -18,8 +27,10 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from pagedllm.core.beam_search import BeamCandidate, BeamSearch
 from pagedllm.core.kv_cache_manager import NO_MATCH, KVCacheManager
-from pagedllm.core.request import Sequence, SequenceStatus
+from pagedllm.core.request import Request, Sequence, SequenceStatus
+from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +42,15 @@ class ScheduledSequence:
     def completes_prefill(self) -> bool:
         """This step reaches the sequence's last token, so its logits get sampled (before the update)."""
         return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class BeamBatch:
+    """A beam group that samples this step: its live beams, best first, and their logits rows."""
+
+    request: Request
+    beams: tuple[Sequence, ...]
+    logit_rows: tuple[int, ...]  # index of each beam's row among the scheduled sequences that complete
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +66,7 @@ class SchedulerOutput:
     forked: tuple[Sequence, ...] = ()  # sequences created this step
     # Sequences that finished since the previous step: the worker drops their persistent state.
     finished_seq_ids: tuple[int, ...] = ()
+    beams: tuple[BeamBatch, ...] = ()  # beam groups: not in ``samples``, they take candidates instead
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +92,15 @@ class StopPolicy:
         if seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The tokens that end a beam's hypothesis."""
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        return eos | frozenset(params.stop_token_ids)
+
+    def max_new_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
+        room = self.max_model_len - num_prompt_tokens
+        return room if params.max_tokens is None else min(params.max_tokens, room)
 
 
 class Scheduler:
@@ -99,6 +129,15 @@ class Scheduler:
         self._finished_seq_ids: list[int] = []
 
     def add(self, seq: Sequence) -> None:
+        request = seq.request
+        if request.params.use_beam_search and request.beam_search is None:
+            params = request.params
+            request.beam_search = BeamSearch(
+                params.beam_width, params.length_penalty, params.early_stopping,
+                self.stop_policy.stop_token_ids(params),
+                self.stop_policy.max_new_tokens(params, len(request.prompt_token_ids)),
+            )
+            request.beams = [seq]
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -127,12 +166,16 @@ class Scheduler:
         # Victims are popped from the end, so the sequences still ahead of ``index`` are all running.
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if seq.request.beam_search is not None:
+                used, advance = self._schedule_beams(index, budget, scheduled, preempted)
+                budget -= used
+                index += advance
+                continue
             num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate(seq, num_tokens):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
+                victims = self._preempt_last()
+                preempted.extend(victims)
+                if seq in victims:
                     break
             else:
                 scheduled.append(ScheduledSequence(seq, num_tokens))
@@ -145,13 +188,18 @@ class Scheduler:
             self._admit_waiting(budget, scheduled)
         return self._with_samples(tuple(scheduled), tuple(preempted))
 
-    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: Seq[int]) -> list[Sequence]:
-        """Apply a step's results; returns the sequences that finished at a token-level stop.
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: Seq[int],
+                           beam_candidates: Seq[Seq[BeamCandidate]] = ()) -> list[Sequence]:
+        """Apply a step's results; returns the sequences that finished at a token-level stop
+        (and the last beams of the beam searches that ended).
 
-        ``sampled_token_ids[i]`` is the token drawn for ``out.samples[i]``.
+        ``sampled_token_ids[i]`` is the token drawn for ``out.samples[i]``; ``beam_candidates[j]``
+        are the best candidates of ``out.beams[j]``, best first.
         """
         if len(sampled_token_ids) != len(out.samples):
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(out.samples)} samples")
+        if len(beam_candidates) != len(out.beams):
+            raise ValueError(f"{len(beam_candidates)} candidate lists for {len(out.beams)} beam groups")
         for item in out.scheduled:
             if item.seq.is_finished:  # ended (error) between schedule and update: its blocks are gone
                 continue
@@ -166,6 +214,12 @@ class Scheduler:
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
+        places: dict[Sequence, tuple[Sequence, ...]] = {}
+        for batch, candidates in zip(out.beams, beam_candidates):
+            finished.extend(self._step_beams(batch, candidates, places))
+        if places:
+            # Forks take the places of the beams they replace, so every group stays side by side.
+            self.running[:] = [placed for seq in self.running for placed in places.get(seq, (seq,))]
         return finished
 
     def _with_samples(self, scheduled: tuple[ScheduledSequence, ...], preempted: tuple[Sequence, ...]) -> SchedulerOutput:
@@ -173,9 +227,13 @@ class Scheduler:
         samples: list[Sequence] = []
         rows: list[int] = []
         forked: list[Sequence] = []
+        beam_rows: dict[Request, dict[Sequence, int]] = {}
         completing = [item for item in scheduled if item.completes_prefill]
         for row, item in enumerate(completing):
             parent = item.seq
+            if parent.request.beam_search is not None:
+                beam_rows.setdefault(parent.request, {})[parent] = row
+                continue
             samples.append(parent)
             rows.append(row)
             for _ in range(parent.pending_forks):
@@ -190,8 +248,10 @@ class Scheduler:
                 rows.append(row)
                 forked.append(child)
         finished, self._finished_seq_ids = tuple(self._finished_seq_ids), []
+        beams = tuple(BeamBatch(request, tuple(request.beams), tuple(rows_of[beam] for beam in request.beams))
+                      for request, rows_of in beam_rows.items())
         return SchedulerOutput(scheduled, tuple(self.kv.take_pending_copies()), preempted,
-                               tuple(samples), tuple(rows), tuple(forked), finished)
+                               tuple(samples), tuple(rows), tuple(forked), finished, beams)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> None:
         # A static batch, once formed, admits nobody until all of it has finished; it
@@ -202,6 +262,12 @@ class Scheduler:
                 self._static_batch_formed = False
                 break
             seq = self.waiting[0]
+            if seq.request.beam_search is not None:
+                used = self._admit_beams(seq.request, budget, scheduled)
+                if used is None:
+                    break
+                budget -= used
+                continue
             forks = seq.pending_forks
             if len(self.running) + self._reserved_forks + 1 + forks > self.max_num_seqs:
                 break
@@ -217,6 +283,115 @@ class Scheduler:
             scheduled.append(ScheduledSequence(seq, num_tokens))
             budget -= num_tokens
 
+    def _schedule_beams(self, index: int, budget: int, scheduled: list[ScheduledSequence],
+                        preempted: list[Sequence]) -> tuple[int, int]:
+        """Schedule the beam group at ``running[index]`` as one unit; returns (tokens used, places to advance)."""
+        group = self.running[index : index + len(self.running[index].request.beams)]
+        chunks = _beam_chunks([beam.num_tokens - beam.num_computed_tokens for beam in group], budget)
+        if not any(chunks):
+            return 0, len(group)
+        # A beam whose blocks were allocated before a retry needs nothing more: allocate is idempotent.
+        while not all(self.kv.allocate(beam, n) for beam, n in zip(group, chunks) if n):
+            victims = self._preempt_last()
+            preempted.extend(victims)
+            if group[0] in victims:
+                return 0, 0
+        scheduled.extend(ScheduledSequence(beam, n) for beam, n in zip(group, chunks) if n)
+        return sum(chunks), len(group)
+
+    def _admit_beams(self, request: Request, budget: int, scheduled: list[ScheduledSequence]) -> int | None:
+        """Admit the beam group at the head of the queue, all of it or nothing; returns the tokens it uses."""
+        group = request.beams
+        forks = group[0].pending_forks
+        if len(self.running) + self._reserved_forks + len(group) + forks > self.max_num_seqs:
+            return None
+        matches = [self.kv.match_prefix(beam) if beam.num_computed_tokens == 0 else NO_MATCH for beam in group]
+        cached = [len(match.blocks) * self.kv.block_size for match in matches]
+        chunks = _beam_chunks(
+            [beam.num_tokens - beam.num_computed_tokens - n for beam, n in zip(group, cached)], budget)
+        if not any(chunks):
+            return None
+        # Counting every matched block as if it had to be taken from the free pool keeps this all or nothing.
+        needed = sum(self.kv.blocks_needed(beam.num_computed_tokens + c + n) - len(beam.block_ids)
+                     for beam, c, n in zip(group, cached, chunks))
+        if needed > self.kv.num_free_blocks:
+            return None
+        for beam, match, n in zip(group, matches, chunks):
+            if not self.kv.allocate(beam, n, match):
+                raise RuntimeError(f"beam of request {request.request_id} did not fit after the group's check")
+        admitted = [self.waiting.popleft() for _ in group]
+        if set(admitted) != set(group):
+            raise RuntimeError(f"the beams of request {request.request_id} are not together in the queue")
+        for beam in admitted:
+            beam.status = SequenceStatus.RUNNING
+        self.running.extend(admitted)
+        self._reserved_forks += forks
+        scheduled.extend(ScheduledSequence(beam, n) for beam, n in zip(group, chunks) if n)
+        return sum(chunks)
+
+    def _step_beams(self, batch: BeamBatch, candidates: Seq[BeamCandidate],
+                    places: dict[Sequence, tuple[Sequence, ...]]) -> list[Sequence]:
+        """Apply one beam search step; returns the group's beams if the search ended."""
+        request = batch.request
+        beams = request.beams
+        search = request.beam_search
+        if search is None or any(beam.is_finished for beam in beams):  # ended (abort, error) since schedule()
+            return []
+        step = search.step(candidates, lambda i: beams[i].output_token_ids)
+        if step.done:
+            for beam in beams:
+                self.finish(beam, "stop")
+            return list(beams)
+        continuing: dict[int, int] = {}  # parent beam -> the rank of the survivor it becomes
+        forks: list[int] = []  # ranks of the survivors that fork from an already continuing parent
+        for rank, candidate in enumerate(step.survivors):
+            if candidate.beam in continuing:
+                forks.append(rank)
+            else:
+                continuing[candidate.beam] = rank
+        ranked: list[Sequence] = [beams[0]] * len(step.survivors)
+        for parent, rank in continuing.items():
+            ranked[rank] = beams[parent]
+        children = []
+        for rank in forks:
+            parent = beams[step.survivors[rank].beam]
+            child = request.spawn(list(parent.token_ids))
+            self.kv.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+            ranked[rank] = child
+            children.append(child)
+        dead = [beam for index, beam in enumerate(beams) if index not in continuing]
+        for beam in dead:
+            self._drop_beam(beam)
+        for seq, candidate in zip(ranked, step.survivors):
+            seq.token_ids.append(candidate.token_id)
+            seq.cumulative_logprob = candidate.cumulative_logprob
+        if len(beams) == 1:  # the first step: the siblings were reserved at admission and follow their parent
+            self._reserved_forks -= len(children)
+            places[beams[0]] = (beams[0], *children)
+        else:
+            places.update((old, (new,)) for old, new in zip(dead, children))
+        request.beams = ranked
+        return []
+
+    def _drop_beam(self, seq: Sequence) -> None:
+        """A beam no survivor extends: its blocks go back now; a fork takes its place in ``running``."""
+        seq.status = SequenceStatus.FINISHED
+        self.kv.free(seq)
+        self._finished_seq_ids.append(seq.seq_id)
+
+    def _preempt_last(self) -> list[Sequence]:
+        """Preempt the newest running unit: one sequence, or a whole beam group (its beams end the list)."""
+        last = self.running[-1]
+        size = len(last.request.beams) if last.request.beam_search is not None else 1
+        victims = self.running[-size:]
+        if any(victim.request is not last.request for victim in victims):
+            raise RuntimeError(f"the beams of request {last.request.request_id} are not together in running")
+        del self.running[-size:]
+        for victim in reversed(victims):  # pushed to the front one by one: reversed keeps their order
+            self._preempt(victim)
+        return victims
+
     def _preempt(self, seq: Sequence) -> None:
         self._reserved_forks -= seq.pending_forks
         self.kv.free(seq)
@@ -224,3 +399,19 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+
+def _beam_chunks(remaining: list[int], budget: int) -> list[int]:
+    """Tokens for each beam of a group this step, given what each has left to compute.
+
+    The beams sample together: either all of them reach their last token this step,
+    or each computes a chunk that stops short of it.
+    """
+    if sum(remaining) <= budget:
+        return remaining
+    chunks = []
+    for left in remaining:
+        chunk = max(0, min(left - 1, budget))
+        chunks.append(chunk)
+        budget -= chunk
+    return chunks

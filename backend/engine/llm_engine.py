@@ -13,15 +13,17 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.beam_search import BeamCandidate, BeamSearch
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, Sequence
-from pagedllm.core.scheduler import Scheduler, SchedulerOutput, StopPolicy
+from pagedllm.core.scheduler import BeamBatch, Scheduler, SchedulerOutput, StopPolicy
 from pagedllm.engine.output_processor import NewToken, OutputProcessor
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.model_source import resolve_model_dir
 from pagedllm.models import CausalLM, load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.attention_backend import select_attention_backend
+from pagedllm.worker.beam_sampler import beam_candidates
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.sampler import Sampler, SamplingRow, make_generator
 
@@ -99,7 +101,8 @@ class LLMEngine:
         self._validate(prompt_ids, params)
         request = Request(request_id, text, tuple(prompt_ids), params)
         seq = request.spawn(list(prompt_ids))
-        self._track_sequence(seq)
+        if not params.use_beam_search:  # beams have no per-step text: their hypotheses are decoded at the end
+            self._track_sequence(seq)
         self._requests[request_id] = request
         self.scheduler.add(seq)
 
@@ -149,13 +152,15 @@ class LLMEngine:
     def _run(self, out: SchedulerOutput, deltas: dict[str, list[CompletionDelta]], errors: dict[str, str]) -> None:
         self._track_usage(out)
         logits = self.runner.execute(out)
-        if len(out.samples) != logits.shape[0]:
-            logits = logits[torch.tensor(out.sample_logit_rows, device=logits.device)]
+        candidates = [self._beam_candidates(logits, batch) for batch in out.beams]
+        if out.beams or len(out.samples) != logits.shape[0]:
+            logits = logits[torch.tensor(out.sample_logit_rows, device=logits.device, dtype=torch.long)]
         tokens = self._sample(logits, out.samples, errors)
         for seq, token in zip(out.samples, tokens):
             if token is None:
                 self._fail(seq.request, errors[seq.request.request_id])
-        self.scheduler.update_from_output(out, [0 if token is None else token.token_id for token in tokens])
+        self.scheduler.update_from_output(out, [0 if token is None else token.token_id for token in tokens],
+                                          candidates)
         for seq, token in zip(out.samples, tokens):
             if token is None or seq.request.request_id in errors:
                 continue
@@ -167,6 +172,26 @@ class LLMEngine:
                 self._fail(seq.request, errors[seq.request.request_id])
                 continue
             deltas.setdefault(seq.request.request_id, []).append(delta)
+        for batch in out.beams:
+            self._generation_tokens_total += len(batch.beams)
+            search = _beam_search_of(batch.request)
+            if search.done and batch.request.request_id not in errors:
+                deltas[batch.request.request_id] = self._beam_outputs(batch.request, search)
+
+    def _beam_candidates(self, logits: torch.Tensor, batch: BeamBatch) -> list[BeamCandidate]:
+        search = _beam_search_of(batch.request)
+        rows = torch.tensor(batch.logit_rows, device=logits.device, dtype=torch.long)
+        return beam_candidates(logits[rows], search.scores, search.num_candidates)
+
+    def _beam_outputs(self, request: Request, search: BeamSearch) -> list[CompletionDelta]:
+        """The ``n`` best hypotheses of a finished beam search, best first, whole (beams rewrite
+        earlier tokens, so there are no deltas before the end)."""
+        self._prompt_tokens_total += len(request.prompt_token_ids)
+        return [
+            CompletionDelta(index, self.outputs.decode(request, hyp.token_ids, hyp.finish_reason), hyp.token_ids,
+                            hyp.cumulative_logprob, None, hyp.finish_reason, score=hyp.score)
+            for index, hyp in enumerate(search.best(request.params.n))
+        ]
 
     def _sample(self, logits: torch.Tensor, samples: Seq[Sequence], errors: dict[str, str]) -> list[NewToken | None]:
         """One token per sample; a row whose parameters make the sampler fail gets None (and an error)."""
@@ -215,6 +240,11 @@ class LLMEngine:
         for request_id in self._pending_aborts:
             request = self._requests.get(request_id)
             if request is None:
+                continue
+            if request.params.use_beam_search:
+                for seq in request.sequences:
+                    self.scheduler.finish(seq, "abort")
+                deltas[request_id] = [CompletionDelta(i, "", (), 0.0, None, "abort") for i in range(request.params.n)]
                 continue
             live = {seq.index: seq for seq in request.sequences if not seq.is_finished}
             for index in range(request.params.n):
@@ -288,6 +318,16 @@ class LLMEngine:
             )
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs={params.logprobs} is invalid: at most {MAX_LOGPROBS}")
+        if params.beam_width > self.scheduler.max_num_seqs:
+            raise ValueError(
+                f"beam_width={params.beam_width} is too large: the beams run side by side and max_num_seqs is "
+                f"{self.scheduler.max_num_seqs}"
+            )
+        if params.beam_width > self.scheduler.max_num_batched_tokens:
+            raise ValueError(
+                f"beam_width={params.beam_width} is too large: every beam computes a token in the same step and "
+                f"max_num_batched_tokens is {self.scheduler.max_num_batched_tokens}"
+            )
         if params.n > self.scheduler.max_num_seqs:
             raise ValueError(
                 f"n={params.n} is too large: its samples run side by side and max_num_seqs is "
@@ -301,10 +341,14 @@ class LLMEngine:
         # Worst case: the samples share the prompt's full blocks and each holds the rest on its own.
         shared = len(prompt_ids) // self.kv.block_size
         needed = shared + params.n * (self.kv.blocks_needed(longest) - shared)
+        if params.use_beam_search:
+            # A preempted beam group recomputes each beam on its own, so it must fit without sharing.
+            needed = params.beam_width * self.kv.blocks_needed(longest)
         if needed > self.kv.num_blocks:
-            field = "max_tokens" if params.n == 1 else "n"
+            field = "beam_width" if params.use_beam_search else "max_tokens" if params.n == 1 else "n"
             raise ValueError(
-                f"{field}: request can never fit in the KV cache: {params.n} sample(s) of up to {longest} tokens "
+                f"{field}: request can never fit in the KV cache: {params.beam_width if params.use_beam_search else params.n} "
+                f"sequence(s) of up to {longest} tokens "
                 f"need {needed} blocks of {self.kv.block_size}, the cache has {self.kv.num_blocks} "
                 "(lower max_tokens or n, or raise num_kv_blocks)"
             )
@@ -327,6 +371,12 @@ class LLMEngine:
         if blocks < 1:
             raise ValueError(f"no memory left for the KV cache ({budget} bytes for {per_block}-byte blocks)")
         return blocks
+
+
+def _beam_search_of(request: Request) -> BeamSearch:
+    if request.beam_search is None:
+        raise RuntimeError(f"request {request.request_id} is not a beam search")
+    return request.beam_search
 
 
 def _checkpoint_dtype(model_dir: Path) -> torch.dtype | None:

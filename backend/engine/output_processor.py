@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from pagedllm.core.request import Sequence
+from pagedllm.core.request import Request, Sequence
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.outputs import CompletionDelta
 
@@ -58,6 +58,13 @@ class OutputProcessor:
         logprobs = (token.top_logprobs or {token.token_id: token.logprob},) if params.logprobs is not None else None
         delta = CompletionDelta(seq.index, text, (token.token_id,), seq.cumulative_logprob, logprobs, reason)
         return ProcessedToken(delta, stop_string is not None)
+
+    def decode(self, request: Request, token_ids: tuple[int, ...], finish_reason: str) -> str:
+        """The whole text of a finished beam hypothesis; as for samples, a stop token is not part of it."""
+        if finish_reason == "stop" and not request.params.include_stop_str_in_output:
+            token_ids = token_ids[:-1]
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params)
+        return detokenizer.update(token_ids).text + detokenizer.flush()
 
     def close(self, seq: Sequence) -> str:
         """Release a sample that ends without a new token (abort, error); returns its held-back text."""

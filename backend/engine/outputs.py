@@ -14,6 +14,7 @@ class CompletionDelta:
     cumulative_logprob: float  # of every token sampled so far
     logprobs: tuple[dict[int, float], ...] | None  # per new token: top-k and chosen id -> logprob
     finish_reason: str | None  # "stop" | "length" | "abort" once this sample is done
+    score: float | None = None  # beam search: cumulative_logprob after the length penalty
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,7 @@ class CompletionOutput:
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
+    score: float | None = None  # beam search only: the hypothesis' score after the length penalty
 
     def add(self, delta: CompletionDelta) -> None:
         self.text += delta.text
@@ -49,6 +51,8 @@ class CompletionOutput:
             self.logprobs = (self.logprobs or []) + list(delta.logprobs)
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
+        if delta.score is not None:
+            self.score = delta.score
 
 
 @dataclass(slots=True)
