@@ -158,6 +158,12 @@ def test_completions_match_offline_generation(client: openai.OpenAI, tokenizer, 
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(tokenizer(prompt).input_ids), num_tokens)
     streamed = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=10, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == expected
+    echoed = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=10, temperature=0, echo=True,
+                                       logprobs=1)
+    assert echoed.choices[0].text == prompt + expected
+    logprobs = echoed.choices[0].logprobs
+    assert "".join(logprobs.tokens) == expected and len(logprobs.token_logprobs) == num_tokens
+    assert logprobs.text_offset[0] == len(prompt) and all(len(top) == 1 for top in logprobs.top_logprobs)
 
 
 def test_n_samples_and_stop_strings(client: openai.OpenAI, offline: LLM) -> None:
