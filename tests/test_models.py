@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from pagedllm.worker.attention_backend import attention_backend_named
 from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.models import CausalLM, load_model
+from pagedllm.models.cpu_dtypes import native_cpu_dtypes, unsupported_cpu_dtype_message
 
 ARCHES = ["llama", "mistral", "qwen2", "qwen3"]
 # The production CPU attention, and the kernels' oracle it must agree with.
@@ -179,6 +181,24 @@ def test_bfloat16_load_casts_weights_and_returns_float32_logits(tiny_model_dir: 
     run_step(model, caches, [(seq, 20)])
     reference = reference_logits(model_dir, seq.tokens)
     assert (seq.logits[0] - reference).abs().max() < 0.1 * reference.abs().max()
+
+
+@pytest.mark.parametrize(("avx512_bf16", "amx", "warned"), [(True, False, False), (False, True, False),
+                                                         (False, False, True)])
+def test_bfloat16_on_a_cpu_without_bf16_units_warns(
+    avx512_bf16: bool, amx: bool, warned: bool, tiny_model_dir: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert (torch.bfloat16 not in native_cpu_dtypes()) == warned
+    with caplog.at_level(logging.WARNING, logger="pagedllm.models.cpu_dtypes"):
+        load(tiny_model_dir("llama"), torch.bfloat16)
+        load(tiny_model_dir("llama"), torch.float32)
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages == (["dtype=bfloat16 on this CPU has no native support (it needs avx512_bf16 or AMX): torch "
+                         "emulates it, so it runs slower than float32, the CPU default"] if warned else [])
+    assert unsupported_cpu_dtype_message(torch.bfloat16, torch.device("cuda")) is None
 
 
 def copy_with_config(source: Path, destination: Path, **changes: object) -> Path:

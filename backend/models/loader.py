@@ -18,6 +18,7 @@ from transformers import AutoConfig
 
 from pagedllm.worker.attention_backend import AttentionBackend
 from pagedllm.models.architectures import resolve_architecture
+from pagedllm.models.cpu_dtypes import warn_if_emulated
 from pagedllm.models.llama import CausalLM
 
 SINGLE_FILE = "model.safetensors"
@@ -32,12 +33,14 @@ def load_model(
 ) -> CausalLM:
     """Build the model for ``model_dir`` and fill it with the checkpoint's weights.
 
-    Raises ``ValueError`` for an unsupported architecture, a directory without
+    Logs a warning when ``dtype`` is a half type this CPU only emulates (see
+    :mod:`pagedllm.models.cpu_dtypes`). Raises ``ValueError`` for an unsupported architecture, a directory without
     safetensors weights, or a checkpoint whose tensors do not match the model
     (names of missing and unexpected tensors are listed).
     """
     model_dir = Path(model_dir)
     device = torch.device(device)
+    warn_if_emulated(dtype, device)
     config = AutoConfig.from_pretrained(model_dir)
     traits = resolve_architecture(config)
     with torch.device("meta"):
