@@ -64,7 +64,7 @@ class StepLayout:
 
 @dataclass(frozen=True, slots=True)
 class CpuAttentionPlan:
-    """The step's host-side lengths; layouts are derived once per (block size, dtype).
+    """The step's lengths and block table on the host; layouts derived once per (block size, dtype).
 
     The block size and dtype belong to the cache, which the metadata does not
     describe, so the first layer derives the layout and every later layer reuses it.
@@ -72,7 +72,8 @@ class CpuAttentionPlan:
 
     starts: np.ndarray  # int64 [num_seqs + 1]
     seq_lens: np.ndarray  # int64 [num_seqs]
-    block_table: torch.Tensor  # int64 [num_seqs, width]
+    block_table: np.ndarray  # int64 [num_seqs, width]
+    device: torch.device
     layouts: dict[tuple[int, torch.dtype], StepLayout] = field(default_factory=dict)
 
     def layout(self, block_size: int, dtype: torch.dtype) -> StepLayout:
@@ -87,47 +88,47 @@ def plan_cpu_attention(metadata: AttentionMetadata) -> AttentionMetadata:
     plan = CpuAttentionPlan(
         starts=metadata.query_start_loc.cpu().numpy().astype(np.int64),
         seq_lens=metadata.seq_lens.cpu().numpy().astype(np.int64),
-        block_table=metadata.block_table.long(),
+        block_table=metadata.block_table.cpu().numpy().astype(np.int64),
+        device=metadata.block_table.device,
     )
     return replace(metadata, plan=plan)
 
 
 def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype) -> StepLayout:
-    device = plan.block_table.device
+    """Index math in numpy, one host-to-torch conversion per tensor: this runs once per step."""
     query_lens = np.diff(plan.starts)
     num_blocks = -(-plan.seq_lens // block_size)
-    block_ids: list[torch.Tensor] = []
+    block_ids: list[np.ndarray] = []
     rows = 0
 
     decodes = []
     for seqs in _decode_batches(np.flatnonzero(query_lens == 1), num_blocks):
         width = int(num_blocks[seqs].max())
-        block_ids.append(plan.block_table[torch.from_numpy(seqs).to(device), :width].reshape(-1))
-        lens = torch.from_numpy(plan.seq_lens[seqs]).to(device)
+        block_ids.append(plan.block_table[seqs, :width].reshape(-1))
+        lens = plan.seq_lens[seqs]
+        visible = np.arange(width * block_size)[None, :] < lens[:, None]
         decodes.append(DecodeBatch(
-            tokens=torch.from_numpy(plan.starts[seqs]).to(device),
+            tokens=_tensor(plan.starts[seqs], plan.device),
             first_block=rows,
             num_seqs=len(seqs),
             blocks_per_seq=width,
-            mask=None if bool((lens == width * block_size).all()) else
-            _additive(torch.arange(width * block_size, device=device)[None, :] < lens[:, None], dtype)[:, None, None],
+            mask=None if visible.all() else _additive(visible[:, None, None], dtype, plan.device),
         ))
         rows += len(seqs) * width
 
     prefills = []
     for seq in np.flatnonzero(query_lens > 1):
         width, query_len, seq_len = int(num_blocks[seq]), int(query_lens[seq]), int(plan.seq_lens[seq])
-        block_ids.append(plan.block_table[int(seq), :width])
-        key_pos = torch.arange(width * block_size, device=device)
-        query_pos = torch.arange(seq_len - query_len, seq_len, device=device)
+        block_ids.append(plan.block_table[seq, :width])
+        visible = np.arange(width * block_size)[None, :] <= np.arange(seq_len - query_len, seq_len)[:, None]
         prefills.append(PrefillChunk(int(plan.starts[seq]), query_len, rows, width,
-                                     _additive(key_pos[None, :] <= query_pos[:, None], dtype)))
+                                     _additive(visible, dtype, plan.device)))
         rows += width
 
-    ids = torch.cat(block_ids) if block_ids else torch.zeros(0, dtype=torch.long, device=device)
-    in_order = len(decodes) == 1 and decodes[0].num_seqs == len(query_lens) and bool(
-        (decodes[0].tokens == torch.arange(len(query_lens), device=device)).all())
-    return StepLayout(ids, tuple(decodes), tuple(prefills), in_order)
+    ids = np.concatenate(block_ids) if block_ids else np.zeros(0, dtype=np.int64)
+    # Every sequence decodes, in one batch: _decode_batches kept them in the batch's order.
+    in_order = len(decodes) == 1 and decodes[0].num_seqs == len(query_lens)
+    return StepLayout(_tensor(ids, plan.device), tuple(decodes), tuple(prefills), in_order)
 
 
 def _decode_batches(seqs: np.ndarray, num_blocks: np.ndarray) -> list[np.ndarray]:
@@ -147,8 +148,14 @@ def _decode_batches(seqs: np.ndarray, num_blocks: np.ndarray) -> list[np.ndarray
     return [seqs] if len(batches) == 1 else batches
 
 
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+
+def _additive(visible: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """0 where visible, -inf elsewhere, in the queries' dtype (what SDPA adds to the scores)."""
+    mask = np.where(visible, np.float32(0.0), np.float32(-np.inf))
+    return torch.from_numpy(mask).to(device=device, dtype=dtype)
 
 
 class CpuPagedAttention:
