@@ -3,7 +3,10 @@
 Steps go through ``NullEngine``, i.e. the real ``Scheduler.schedule`` and
 ``Scheduler.update_from_output`` that ``LLMEngine`` uses, with random sampled
 tokens (which may hit a request's stop ids). Requests with ``n > 1`` fork
-their samples by copy-on-write. After every operation the block pool must
+their samples by copy-on-write. Beam requests get random candidates each step
+(random parents, tokens that may be stop ids, random scores), so beams fork
+and die in random patterns; their beams must run, wait and be preempted as one
+unit, side by side in the queues. After every operation the block pool must
 balance: free + referenced = total, each block's ref count equals the number
 of block tables holding it, no block is both free and referenced, and no more
 than ``max_num_seqs`` sequences run.
@@ -16,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.bench.null_engine import NullEngine
-from pagedllm.core.request import Request
+from pagedllm.core.beam_search import BeamCandidate
+from pagedllm.core.request import Request, SequenceStatus
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -28,22 +32,38 @@ class Harness:
     def __init__(self, num_blocks: int, budget: int, max_seqs: int, prefix_caching: bool) -> None:
         self.engine = NullEngine(num_blocks, BLOCK_SIZE, max_seqs, budget, enable_prefix_caching=prefix_caching)
         self.requests: list[Request] = []
+        self.budget = budget
+        self.max_seqs = max_seqs
 
     def add(self, prompt: list[int], max_tokens: int, n: int) -> None:
         params = SamplingParams(max_tokens=max_tokens, n=n, stop_token_ids=(STOP_TOKEN,))
+        self.requests.append(self.engine.add_request(prompt, params))
+
+    def add_beams(self, prompt: list[int], max_tokens: int, width: int, n: int) -> None:
+        if width > min(self.budget, self.max_seqs):
+            return  # the engine refuses it: every beam computes a token in the same step
+        params = SamplingParams(max_tokens=max_tokens, beam_width=width, n=min(n, width), temperature=0,
+                                stop_token_ids=(STOP_TOKEN,))
         self.requests.append(self.engine.add_request(prompt, params))
 
     def step(self, tokens: list[int]) -> SchedulerOutput:
         scheduler = self.engine.scheduler
         out = scheduler.schedule()
         sampled = [tokens[i % len(tokens)] for i in range(len(out.samples))]
-        scheduler.update_from_output(out, sampled)
+        candidates = [random_candidates(batch.request, tokens) for batch in out.beams]
+        for batch in out.beams:
+            assert list(batch.beams) == batch.request.beams, "a beam group samples only whole"
+        scheduler.update_from_output(out, sampled, candidates)
         return out
 
     def abort(self, index: int) -> None:
         live = [seq for request in self.requests for seq in request.sequences if not seq.is_finished]
         if live:
-            self.engine.scheduler.finish(live[index % len(live)], "abort")
+            victim = live[index % len(live)]
+            # A beam search is cancelled whole, as the engine does.
+            group = victim.request.sequences if victim.request.params.use_beam_search else [victim]
+            for seq in group:
+                self.engine.scheduler.finish(seq, "abort")
 
     def check(self) -> None:
         kv = self.engine.kv
@@ -60,7 +80,39 @@ class Harness:
         for seq in live:
             assert len(seq.block_ids) * BLOCK_SIZE >= seq.num_computed_tokens
         for request in self.requests:
-            assert len(request.sequences) <= request.params.n
+            if request.params.use_beam_search:
+                self.check_beam_group(request)
+            else:
+                assert len(request.sequences) <= request.params.n
+
+    def check_beam_group(self, request: Request) -> None:
+        """The live beams are one unit: all running side by side, or all waiting side by side."""
+        live = [seq for seq in request.sequences if not seq.is_finished]
+        if not live:
+            return
+        assert set(live) == set(request.beams)
+        assert len(live) in (1, request.params.beam_width)
+        statuses = {seq.status for seq in live}
+        assert len(statuses) == 1, "a beam group is split between running and waiting"
+        queue = list(self.engine.scheduler.running if statuses == {SequenceStatus.RUNNING}
+                     else self.engine.scheduler.waiting)
+        places = sorted(queue.index(seq) for seq in live)
+        assert places == list(range(places[0], places[0] + len(live))), "a beam group is not side by side"
+
+
+def random_candidates(request: Request, tokens: list[int]) -> list[BeamCandidate]:
+    """Candidates from the drawn tokens: random parents, tokens (stop ids among them) and scores, best first."""
+    search = request.beam_search
+    assert search is not None
+    num_beams = len(search.scores)
+    candidates = [
+        BeamCandidate(tokens[j % len(tokens)] % num_beams, tokens[(j + 1) % len(tokens)] + 10 * j,
+                      search.scores[tokens[j % len(tokens)] % num_beams] - 1.0 - tokens[(j + 2) % len(tokens)] / 3)
+        for j in range(search.num_candidates)
+    ]
+    # A stop id among them: make some of it end hypotheses, keeping tokens distinct per parent.
+    candidates = [c if c.token_id % 7 else BeamCandidate(c.beam, STOP_TOKEN, c.cumulative_logprob) for c in candidates]
+    return sorted(candidates, key=lambda c: -c.cumulative_logprob)
 
 
 operations = st.lists(
@@ -69,6 +121,8 @@ operations = st.lists(
                   st.integers(1, 3)),
         st.tuples(st.just("step"), st.lists(st.integers(0, 9), min_size=1, max_size=4)),
         st.tuples(st.just("abort"), st.integers(0, 50)),
+        st.tuples(st.just("beams"), st.lists(st.integers(0, 5), min_size=1, max_size=30), st.integers(1, 8),
+                  st.integers(2, 3), st.integers(1, 3)),
     ),
     max_size=60,
 )
@@ -89,6 +143,8 @@ def test_block_pool_balances_after_every_operation(
     for op in ops:
         if op[0] == "add":
             harness.add(op[1], op[2], op[3])
+        elif op[0] == "beams":
+            harness.add_beams(op[1], op[2], op[3], op[4])
         elif op[0] == "step":
             harness.step(op[1])
         else:
@@ -117,3 +173,20 @@ def test_forks_of_two_requests_in_chunked_prefill_stay_within_max_num_seqs() -> 
         peak = max(peak, len(harness.engine.scheduler.running))
     assert peak == 3
     assert all(request.is_finished for request in harness.requests)
+
+
+def test_a_preempted_beam_group_waits_whole_and_resumes_whole() -> None:
+    """Two width-3 groups whose beams all survive, in a pool that holds one group at full length (as the
+    engine requires): the newer is preempted as a unit, requeued side by side, and both finish with every
+    block back."""
+    harness = Harness(num_blocks=21, budget=64, max_seqs=8, prefix_caching=False)
+    harness.add_beams(list(range(1, 14)), max_tokens=12, width=3, n=2)
+    harness.add_beams(list(range(20, 33)), max_tokens=12, width=3, n=2)
+    while harness.engine.scheduler.has_work():
+        harness.engine.step()  # stand-in candidates: every beam extends itself
+        harness.check()
+    assert harness.engine.scheduler.num_preemptions > 0
+    assert harness.engine.kv.num_free_blocks == harness.engine.kv.num_blocks
+    for request in harness.requests:
+        assert request.is_finished
+        assert [len(h.token_ids) for h in request.beam_search.hypotheses] == [12, 12, 12]
