@@ -144,3 +144,12 @@ def test_decodes_batch_by_similar_length_and_prefills_attend_alone() -> None:
     layout = torch_backend().plan(metadata_of(make_batch(mixed))).plan.layout(mixed.block_size, mixed.dtype)
     assert [(chunk.start, chunk.query_len) for chunk in layout.prefills] == [(1, 6), (7, 4)]
     assert sorted(int(token) for batch in layout.decodes for token in batch.tokens) == [0, 11]
+
+
+def test_an_empty_batch_attends_to_nothing() -> None:
+    batch = make_batch(CASES["decode-gqa4-d64-b16"])
+    empty = AttentionMetadata(torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                              batch.block_table[:0], torch.zeros(0, dtype=torch.int64), 0, 0)
+    backend = torch_backend()
+    out = backend.attend(batch.q[:0], batch.k_cache, batch.v_cache, backend.plan(empty), batch.scale)
+    assert out.shape == (0, *batch.q.shape[1:])
