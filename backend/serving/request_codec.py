@@ -19,6 +19,13 @@ Decisions where vllm_backend is loose:
   prepended) and to True with streaming; asking for the prompt in a stream is an
   error, as in vllm_backend. Without streaming and ``n > 1`` every one of the n
   strings starts with the prompt.
+* beam search (``beam_width`` > 1, with ``length_penalty`` and ``early_stopping``:
+  true, false or "never") comes back as ``n`` texts, best first. With ``stream: true``
+  the server still sends them in one final response: a beam rewrites its earlier
+  tokens whenever a better-scoring sibling takes over, so there are no deltas to send
+  before the search ends. Combinations that cannot apply are errors naming the field
+  (``n`` above ``beam_width``, a temperature, penalties, seeds, stop strings, logprobs;
+  the engine adds ``beam_width`` above ``max_num_seqs``).
 """
 from __future__ import annotations
 

@@ -11,6 +11,11 @@ writes it. ``logprobs`` is, per sample, a JSON list with one object per new toke
 for no logprobs. A sampled token outside the requested top-k gets rank k + 1
 (the engine does not compute its exact rank; clients such as Triton's OpenAI frontend
 need an integer there).
+
+Beam search: the engine reports a beam request once, when the search ends, with the
+``n`` best hypotheses whole (best first); so a streaming beam request gets a single
+response holding the ``n`` texts, and ``cumulative_logprob`` is each hypothesis' sum
+of token log-probabilities (before the length penalty).
 """
 from __future__ import annotations
 
