@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -118,3 +119,64 @@ def test_every_declared_input_is_accepted() -> None:
 def test_parse_sampling_parameters_prefixes_the_source() -> None:
     with pytest.raises(ValueError, match=r"^parameters: .*top_k"):
         parse_sampling_parameters('{"top_k": 0}', "parameters")
+
+
+@pytest.mark.parametrize(
+    ("sent", "stop"),
+    [
+        ("[INST]", ("[INST]",)),
+        ("[1, 2]", ("[1, 2]",)),
+        ("[", ("[",)),
+        ('["[INST]", "</s>"]', ("[INST]", "</s>")),
+        (["[INST]", "x"], ("[INST]", "x")),
+        ("plain", ("plain",)),
+    ],
+)
+def test_stop_is_any_string_or_a_list_of_strings(sent: object, stop: tuple[str, ...]) -> None:
+    assert parse_sampling_parameters(json.dumps({"stop": sent}), "sampling_parameters").stop == stop
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "reason"),
+    [
+        ('{"temperature": NaN}', "temperature", "finite"),
+        ('{"top_p": "Infinity"}', "top_p", "finite"),
+        ('{"min_p": -Infinity}', "min_p", "finite"),
+        ('{"repetition_penalty": 1e400}', "repetition_penalty", "finite"),
+        ('{"presence_penalty": "nan"}', "presence_penalty", "finite"),
+        (json.dumps({"stop": ["s"] * 65}), "stop", "at most 64"),
+        (json.dumps({"stop": ["y" * 1025]}), "stop", "at most 1024"),
+        (json.dumps({"stop_token_ids": list(range(1025))}), "stop_token_ids", "at most 1024"),
+        (json.dumps({"stop": [1, 2]}), "stop", "wrong type"),
+        ('{"stop": ' + "[" * 10_000 + "]" * 10_000 + "}", "sampling_parameters", "nested too deeply"),
+        ('{"n": true}', "n", "wrong type"),
+        ('{"ignore_eos": 1}', "ignore_eos", "wrong type"),
+        ('{"max_tokens": "7.5"}', "max_tokens", "wrong type"),
+    ],
+)
+def test_non_finite_oversized_and_mistyped_values_name_the_field(text: str, field: str, reason: str) -> None:
+    with pytest.raises(ValueError) as error:
+        parse_sampling_parameters(text, "sampling_parameters")
+    assert field in str(error.value) and reason in str(error.value)
+
+
+def test_a_prompt_longer_than_the_model_could_take_is_refused_before_tokenizing() -> None:
+    assert parse_request({"text_input": text("x" * 100)}, max_prompt_bytes=100).prompt == "x" * 100
+    with pytest.raises(ValueError, match=r"^text_input: 101 bytes .* \(at most 100 bytes\)"):
+        parse_request({"text_input": text("x" * 101)}, max_prompt_bytes=100)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-30, 9.9e-6])
+def test_temperatures_below_1e_5_are_greedy(temperature: float) -> None:
+    assert SamplingParams(temperature=temperature).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"n": "3"}, "n"), ({"temperature": "0"}, "temperature"), ({"stop": [1]}, "stop[0]"),
+     ({"ignore_eos": 1}, "ignore_eos"), ({"top_p": float("nan")}, "top_p"), ({"seed": 1.5}, "seed")],
+)
+def test_direct_construction_checks_types(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match="SamplingParams." + re.escape(field)):
+        SamplingParams(**kwargs)

@@ -202,3 +202,11 @@ def test_sample_frequencies_follow_tempered_probabilities(temperature: float) ->
 
 def test_empty_batch_returns_nothing() -> None:
     assert Sampler()(torch.empty(0, VOCAB), []) == []
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-6])
+def test_a_temperature_that_would_overflow_samples_greedily(temperature: float) -> None:
+    logits = random_logits(3) * 1e3
+    tokens = Sampler()(logits, [row(SamplingParams(temperature=temperature))] * 3)
+    assert [t.token_id for t in tokens] == logits.argmax(dim=-1).tolist()
+    assert all(math.isfinite(t.logprob) for t in tokens)
