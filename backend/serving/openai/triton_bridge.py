@@ -6,7 +6,7 @@ request's last response, and cancelling the call (a client went away) makes Trit
 cancel the request, so the backend aborts it and frees its KV blocks at the next
 engine step. The tensors are the model's vllm_backend-compatible ones
 (``pagedllm.serving.request_codec``): the prompt is always excluded from the output,
-and the token counts, finish reasons and logprobs are always asked for.
+the token counts and finish reasons are always asked for, logprobs when wanted.
 """
 from __future__ import annotations
 
@@ -102,7 +102,9 @@ def _inputs(prompt: str, sampling: Mapping[str, Any], stream: bool) -> list[grpc
         ("stream", np.array([stream]), "BOOL"),
         ("exclude_input_in_output", np.array([True]), "BOOL"),
         *((name, np.array([True]), "BOOL") for name in (
-            "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens", "return_logprobs")),
+            "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")),
+        # Only when asked: the backend would otherwise encode a JSON "null" per sample per step.
+        ("return_logprobs", np.array([sampling.get("logprobs") is not None]), "BOOL"),
     ]
     inputs = []
     for name, array, dtype in tensors:
@@ -116,7 +118,9 @@ def _decode(result: grpcclient.InferResult, top_logprobs: int | None) -> Generat
     texts = result.as_numpy("text_output")
     reasons = result.as_numpy("finish_reason")
     counts = result.as_numpy("num_output_tokens")
-    logprobs = result.as_numpy("logprobs")
+    logprobs: list[tuple[TokenLogprob, ...] | None] = [None] * len(texts)
+    if top_logprobs is not None:
+        logprobs = [_token_logprobs(encoded, top_logprobs) for encoded in result.as_numpy("logprobs")]
     prompt_tokens = result.as_numpy("num_input_tokens")
     samples = tuple(
         SampleDelta(
@@ -124,7 +128,7 @@ def _decode(result: grpcclient.InferResult, top_logprobs: int | None) -> Generat
             text=texts[index].decode("utf-8"),
             num_tokens=int(counts[index]),
             finish_reason=None if reasons[index] == b"None" else reasons[index].decode(),
-            logprobs=None if top_logprobs is None else _token_logprobs(logprobs[index], top_logprobs),
+            logprobs=logprobs[index],
         )
         for index in range(len(texts))
     )
