@@ -112,7 +112,10 @@ async def _answer(request: Request, bridge: TritonBridge, model: ServedModel, pr
             return builder.response()
 
         return JSONResponse(await _unless_disconnected(request, collect()))
-    first = await _unless_disconnected(request, anext(responses))
+    try:
+        first = await _unless_disconnected(request, anext(responses))
+    except StopAsyncIteration:
+        raise OpenAIError(500, "tritonserver ended the request without a response") from None
     return StreamingResponse(_sse(builder, first, responses, include_usage), media_type="text/event-stream")
 
 
