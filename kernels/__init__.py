@@ -17,12 +17,14 @@ from pagedllm.kernels.reference import copy_blocks_ref, unified_attention_ref, w
 
 _TRITON_OPS = {
     "unified_attention": "pagedllm.kernels.attention_launch",
+    "plan_unified_attention": "pagedllm.kernels.attention_launch",
+    "unified_attention_planned": "pagedllm.kernels.attention_launch",
     "write_kv": "pagedllm.kernels.kv_write",
     "copy_blocks": "pagedllm.kernels.block_copy",
 }
 
-__all__ = ["copy_blocks", "copy_blocks_ref", "triton_backend_ops", "unified_attention", "unified_attention_ref",
-           "write_kv", "write_kv_ref"]
+__all__ = ["copy_blocks", "copy_blocks_ref", "plan_unified_attention", "triton_backend_ops", "unified_attention",
+           "unified_attention_planned", "unified_attention_ref", "write_kv", "write_kv_ref"]
 
 
 def __getattr__(name: str) -> Any:
