@@ -176,9 +176,11 @@ def test_overhead_tiny_run_times_every_part(tmp_path: Path) -> None:
     rows = json.loads((tmp_path / "overhead.json").read_text())["rows"]
     assert [row["running"] for row in rows] == [4, 16]
     for row in rows:
-        assert row["schedule_ms"] > 0 and row["prepare_ms"] > 0 and row["update_ms"] > 0
-        assert row["control_ms"] == pytest.approx(row["schedule_ms"] + row["update_ms"] + row["prepare_ms"])
+        assert all(row[f"{phase}_ms"] > 0 for phase in overhead.PHASES)
+        assert row["host_ms"] > max(row[f"{phase}_ms"] for phase in overhead.PHASES)
         assert row["engine_step_ms"] > 0
+    # Requests finish (and are replaced) during the timed steps: the steady state of a busy server.
+    assert any(row["finished_per_step"] > 0 for row in rows)
 
 
 @pytest.mark.tritonserver
