@@ -12,6 +12,11 @@ Three shapes, each at three scales (``full`` is what the README reports,
   prefix caching can skip most of each prompt.
 * ``parallel-sampling``: prompts asking for ``n`` samples each (seeded
   temperature sampling), which share the prompt's KV blocks copy-on-write.
+* ``branching-chat``: trees of conversations. Each turn forks into several
+  continuations (a user editing, regenerating, exploring); a child's prompt is
+  its parent's prompt, the parent's answer (replayed as prompt text) and a new
+  user turn. Requests come level by level, so siblings share their parent's
+  whole context and a prefix cache skips all of it.
 
 Prompts are random token ids in ``[1, vocab_size)``; every request sets
 ``ignore_eos`` so each engine produces exactly ``max_tokens`` per sample.
@@ -27,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-KINDS = ("long-tail", "shared-prefix", "parallel-sampling")
+KINDS = ("long-tail", "shared-prefix", "parallel-sampling", "branching-chat")
 SCALES = ("full", "quick", "tiny")
 SAMPLING_TEMPERATURE = 0.8
 
@@ -128,21 +133,35 @@ class _ParallelSampling:
     output_len: tuple[int, int]
 
 
+@dataclass(frozen=True, slots=True)
+class _BranchingChat:
+    num_trees: int
+    system_len: int
+    depth: int  # turns from the root to a leaf
+    branching: int  # continuations of every turn but the last
+    user_len: tuple[int, int]
+    reply_len: tuple[int, int]  # a parent's answer, replayed in its children's prompts
+    output_len: tuple[int, int]
+
+
 _SHAPES: dict[str, dict[str, Any]] = {
     "full": {
         "long-tail": _LongTail(256, (32, 512), (16, 512)),
         "shared-prefix": _SharedPrefix(4, 384, 32, 4, (16, 64), (16, 64), (16, 128)),
         "parallel-sampling": _ParallelSampling(32, 4, (64, 256), (32, 128)),
+        "branching-chat": _BranchingChat(4, 256, 3, 3, (16, 64), (32, 96), (16, 128)),
     },
     "quick": {
         "long-tail": _LongTail(64, (32, 512), (16, 512)),
         "shared-prefix": _SharedPrefix(2, 384, 8, 4, (16, 64), (16, 64), (16, 128)),
         "parallel-sampling": _ParallelSampling(8, 4, (64, 256), (32, 128)),
+        "branching-chat": _BranchingChat(2, 256, 3, 2, (16, 64), (32, 96), (16, 128)),
     },
     "tiny": {
         "long-tail": _LongTail(12, (4, 40), (2, 24)),
         "shared-prefix": _SharedPrefix(2, 24, 3, 2, (2, 8), (2, 8), (2, 8)),
         "parallel-sampling": _ParallelSampling(3, 2, (4, 16), (2, 8)),
+        "branching-chat": _BranchingChat(2, 16, 2, 2, (2, 8), (2, 8), (2, 8)),
     },
 }
 
@@ -162,6 +181,8 @@ def make_workload(kind: str, scale: str = "full", seed: int = 0, vocab_size: int
         requests = _long_tail(rng, shape, vocab_size)
     elif isinstance(shape, _SharedPrefix):
         requests = _shared_prefix(rng, shape, vocab_size)
+    elif isinstance(shape, _BranchingChat):
+        requests = _branching_chat(rng, shape, vocab_size)
     else:
         requests = _parallel_sampling(rng, shape, vocab_size, seed)
     return Workload(kind, scale, seed, vocab_size, tuple(requests))
@@ -198,6 +219,34 @@ def _shared_prefix(rng: np.random.Generator, shape: _SharedPrefix, vocab_size: i
             requests.append(WorkloadRequest(histories[c], _uniform(rng, shape.output_len)))
             histories[c] = histories[c] + _tokens(rng, _uniform(rng, shape.reply_len), vocab_size)
     return requests
+
+
+def _branching_chat(rng: np.random.Generator, shape: _BranchingChat, vocab_size: int) -> list[WorkloadRequest]:
+    """Level by level (every tree's roots, then all their children, ...), as a child needs its parent's answer."""
+    level = [_tokens(rng, shape.system_len, vocab_size) for _ in range(shape.num_trees)]
+    requests = []
+    for turn in range(shape.depth):
+        prompts = [history + _tokens(rng, _uniform(rng, shape.user_len), vocab_size) for history in level]
+        requests += [WorkloadRequest(prompt, _uniform(rng, shape.output_len)) for prompt in prompts]
+        if turn + 1 < shape.depth:
+            answered = [prompt + _tokens(rng, _uniform(rng, shape.reply_len), vocab_size) for prompt in prompts]
+            level = [history for history in answered for _ in range(shape.branching)]
+    return requests
+
+
+def branching_levels(workload: Workload) -> list[Workload]:
+    """A branching-chat workload split into its levels (roots, their children, ...): a replay that waits
+    for each level before sending the next gives children their parents' answers first."""
+    if workload.kind != "branching-chat":
+        raise ValueError(f"workload kind={workload.kind!r} is invalid: expected 'branching-chat'")
+    shape = _SHAPES[workload.scale]["branching-chat"]
+    levels, start = [], 0
+    for turn in range(shape.depth):
+        size = shape.num_trees * shape.branching**turn
+        levels.append(Workload(workload.kind, workload.scale, workload.seed, workload.vocab_size,
+                               workload.requests[start : start + size]))
+        start += size
+    return levels
 
 
 def _parallel_sampling(
