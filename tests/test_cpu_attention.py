@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from pagedllm.kernels import unified_attention_ref
+from pagedllm.kernels import unified_attention_ref, write_kv_ref
 from pagedllm.testing.paged_batch import PagedBatch, random_paged_batch
 from pagedllm.worker.attention_backend import (
     BACKEND_NAMES,
@@ -153,3 +153,17 @@ def test_an_empty_batch_attends_to_nothing() -> None:
     backend = torch_backend()
     out = backend.attend(batch.q[:0], batch.k_cache, batch.v_cache, backend.plan(empty), batch.scale)
     assert out.shape == (0, *batch.q.shape[1:])
+
+
+@pytest.mark.parametrize("slots", [[3, 40, 22, 0, 17], [3, -1, 22, 0, -1], []], ids=["all", "padded", "empty"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cpu_scatters_like_reference(slots: list[int], cache_dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(7)
+    fused = torch.randn(len(slots), 3 * 2 * 24, generator=generator)  # strided views, as the qkv split gives
+    key, value = fused[:, 48:96].view(-1, 2, 24), fused[:, 96:].view(-1, 2, 24)
+    k_cache, v_cache = (torch.randn(6, 8, 2, 24, generator=generator).to(cache_dtype) for _ in range(2))
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    write_kv_ref(key, value, k_expected, v_expected, slot_mapping)
+    torch_backend().write_kv(key, value, k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)

@@ -21,7 +21,7 @@ import torch
 
 from pagedllm.kernels.reference import copy_blocks_ref, unified_attention_ref, write_kv_ref
 from pagedllm.worker.attention_metadata import AttentionMetadata
-from pagedllm.worker.cpu_attention import CpuPagedAttention, plan_cpu_attention
+from pagedllm.worker.cpu_attention import CpuPagedAttention, plan_cpu_attention, write_kv_cpu
 
 # Set to "1" to run the Triton-lang kernels even on CPU (with TRITON_INTERPRET=1).
 FORCE_TRITON_ENV = "PAGEDLLM_FORCE_TRITON"
@@ -57,7 +57,7 @@ BACKEND_NAMES = ("torch", "triton", "torch-reference")
 
 def torch_backend() -> AttentionBackend:
     """The production plain-torch backend; each one owns its own reusable gather buffers."""
-    return AttentionBackend("torch", plan_cpu_attention, CpuPagedAttention().attend, write_kv_ref, copy_blocks_ref)
+    return AttentionBackend("torch", plan_cpu_attention, CpuPagedAttention().attend, write_kv_cpu, copy_blocks_ref)
 
 
 def triton_backend() -> AttentionBackend:

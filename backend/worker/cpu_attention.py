@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagedllm.kernels.reference import write_kv_ref
 from pagedllm.worker.attention_metadata import AttentionMetadata
 
 # Decodes join a padded batch while their block count is at least this share of the
@@ -167,6 +168,23 @@ def _additive(visible: np.ndarray, dtype: torch.dtype, device: torch.device) -> 
     """0 where visible, -inf elsewhere, in the queries' dtype (what SDPA adds to the scores)."""
     mask = np.where(visible, np.float32(0.0), np.float32(-np.inf))
     return torch.from_numpy(mask).to(device=device, dtype=dtype)
+
+
+def write_kv_cpu(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # int64 [num_tokens]; negative = padded token, skipped
+) -> None:
+    """:func:`pagedllm.kernels.reference.write_kv_ref`'s contract, with ``index_copy_`` when no
+    token is padded: 38 -> 10 us per layer at 32 tokens, 73 -> 21 us at 128 (1 thread)."""
+    if slot_mapping.numel() == 0 or bool(slot_mapping.min() < 0):
+        write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        return
+    slots = slot_mapping.long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 class CpuPagedAttention:
