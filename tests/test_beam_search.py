@@ -181,3 +181,22 @@ def test_engine_refuses_a_width_beyond_max_num_seqs(tiny_model_dir: Callable[[st
     llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", max_model_len=128, max_num_seqs=2)
     with pytest.raises(ValueError, match="beam_width=4"):
         llm.generate("def", SamplingParams(beam_width=4, temperature=0))
+
+
+def test_a_beam_request_streams_once_and_aborts_whole(tiny_model_dir: Callable[[str], Path]) -> None:
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", max_model_len=128)
+    params = SamplingParams(beam_width=3, n=2, temperature=0, max_tokens=10, ignore_eos=True)
+    streamed = list(llm.stream("def main(self):", params))
+    assert len(streamed) == 1 and streamed[0].finished  # beams rewrite earlier tokens: no deltas before the end
+    whole = llm.generate("def main(self):", params)[0]
+    assert [o.token_ids for o in whole.outputs] == [list(d.token_ids) for d in streamed[0].outputs]
+    assert llm.generate("def", SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].score is None
+
+    engine = llm.engine
+    engine.add_request("cancelled", "class Foo:", params)
+    for _ in range(3):
+        assert engine.step() == []  # no output while the search runs
+    engine.abort_request("cancelled")
+    (out,) = engine.step()
+    assert out.finished and [d.finish_reason for d in out.outputs] == ["abort", "abort"]
+    assert not engine.has_unfinished_requests() and engine.stats().num_blocks_used == 0
