@@ -4,7 +4,8 @@
 #   1. the engine on CUDA with the Triton kernels gives the CPU reference's greedy tokens,
 #   1b. the planned Triton launch (plan once per step, every layer reuses it) against the
 #       reference, and its host time per layer against an unplanned launch,
-#   2. `pagedllm bench kernels` (correctness, decode bandwidth vs peak, prefill TFLOP/s, SDPA baseline).
+#   2. `pagedllm bench kernels` (correctness, decode bandwidth vs peak, prefill TFLOP/s, SDPA baseline),
+#   3. `pagedllm plan --calibrate`: the step-time model fitted on this GPU beside the H200 data-sheet figures.
 # Results go to $OUT (or ./gpu-results). Usage: bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -70,3 +71,23 @@ for name, (query_lens, seq_lens) in layouts.items():
 PY
 
 timeout 420 pagedllm bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.md"
+
+# 3. Planner calibration: timed engine steps of a random-weight checkpoint with Llama-3.1-8B's layer shapes
+#    (16 of its 32 layers) give this GPU's effective bandwidth, TFLOP/s and per-step overhead; the same plan is
+#    then made from the catalog's H200 figures, so the two predictions sit side by side.
+PLAN=(--model Llama-3.1-8B --gpu H200 --qps 8 --prompt-len 512 --output-len longtail:64-1024 --duration 60 --json)
+timeout 300 pagedllm plan "${PLAN[@]}" --calibrate --calibration-layers 16 --save-calibration "$OUT/plan_calibration.json" \
+    >"$OUT/plan_calibrated.json" 2>"$OUT/plan_calibration.log"; tail -1 "$OUT/plan_calibration.log"
+timeout 120 pagedllm plan "${PLAN[@]}" >"$OUT/plan_datasheet.json"
+python3 - "$OUT" <<'PY' 2>&1 | tee "$OUT/plan_check.txt"
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+model = json.loads((out / "plan_calibration.json").read_text())
+print(f"H200 data sheet x achievable share: {4800 * 0.8:.0f} GB/s, {989 * 0.6:.0f} TFLOP/s, 4 ms/step; calibrated: "
+      f"{model['bandwidth_gbs'] or 0:.0f} GB/s, {model['tflops'] or 0:.0f} TFLOP/s, {1e3 * model['overhead_s']:.2f} ms/step")
+for name in ("datasheet", "calibrated"):
+    plan = json.loads((out / f"plan_{name}.json").read_text())
+    print(f"{name}: predicted {plan['predicted_wall_s']:.1f} s, TTFT p99 {plan['ttft_p99']:.3f} s, "
+          f"TPOT p99 {plan['tpot_p99']:.4f} s, {plan['steps']} steps")
+PY

@@ -9,10 +9,10 @@ import pytest
 from pagedllm.bench.workloads import KINDS, make_workload
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.planning.calibrate import calibrate
+from pagedllm.planning.calibrate import calibrate, random_checkpoint
 from pagedllm.planning.gpu_catalog import this_cpu
 from pagedllm.planning.kv_math import Deployment, capacity
-from pagedllm.planning.model_catalog import resolve_model
+from pagedllm.planning.model_catalog import ModelSpec, resolve_model
 from pagedllm.planning.plan import Slo, make_plan
 from pagedllm.planning.replay import EngineLimits, replay, replay_replicas
 from pagedllm.planning.step_time import ModelCost, StepShape, StepTimeModel, fit
@@ -76,6 +76,15 @@ def test_calibration_times_the_engine_in_lockstep_with_its_replay(tiny_model_dir
     assert [s.shape.num_tokens for s in calibration.steps] == [16, 2, 2, 64, 4]
     assert all(s.seconds > 0 and calibration.fitted(s) > 0 for s in calibration.steps)
     assert calibration.model.source.startswith("calibrated on cpu")
+
+
+def test_catalog_models_are_timed_as_random_checkpoints_of_their_shape(tmp_path: Path) -> None:
+    spec = ModelSpec("mini", "llama", 64, 4, 4, 2, 32, 128, 50_000, 4096, False)
+    model_dir = random_checkpoint(spec, tmp_path / "mini", num_layers=2)
+    timed = resolve_model(str(model_dir))
+    assert (timed.hidden_size, timed.num_layers, timed.num_kv_heads, timed.head_dim) == (64, 2, 2, 32)
+    calibration = calibrate(model_dir, dtype="float32", shapes=((2, 8, 2), (1, 4, 2)), repeats=1)
+    assert [s.shape.num_seqs for s in calibration.steps] == [2, 2, 1, 1]
 
 
 def test_replicas_needed_is_the_smallest_count_meeting_the_slo() -> None:

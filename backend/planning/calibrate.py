@@ -4,9 +4,10 @@ The real ``LLMEngine`` and a ``NullEngine`` with the same KV blocks and limits
 take the same requests in lockstep: the null engine's ``SchedulerOutput``
 gives each step's shape (same scheduler, same schedule), the real engine's
 ``step()`` its duration. Each batch runs ``repeats`` times with fresh prompts
-and the fastest time of each step is kept, which filters out the other
-processes of a shared machine. ``step_time.fit`` turns the timings into the
-model's coefficients.
+and every timing is kept: on a shared machine a step takes what the other
+processes leave it, and the prediction should carry that average share (the
+fastest of the repeats would predict an idle machine). ``step_time.fit``
+turns the timings into the model's coefficients.
 
 Catalog models have no weights here: ``random_checkpoint`` writes a
 random-weight Llama with the catalog model's layer shapes (and the embedded
@@ -32,6 +33,7 @@ from pagedllm.sampling_params import SamplingParams
 
 # (sequences, prompt tokens, output tokens): decodes at 1-32 rows and short/long contexts, and full prefill chunks.
 SHAPES: tuple[tuple[int, int, int], ...] = ((1, 16, 16), (8, 64, 12), (32, 32, 12), (32, 256, 6), (4, 512, 3))
+WARM_UP = (2, 8, 4)  # first-call allocations and lazy initialisation, not timed
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -57,10 +59,11 @@ def calibrate(model_dir: Path, device: str = "cpu", dtype: str = "auto", block_s
     """Time ``model_dir``'s engine steps at ``shapes`` and fit the step-time model to them."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} is invalid: expected >= 1")
-    longest = max(p + o for _, p, o in shapes)
-    num_blocks = max(b for b, _, _ in shapes) * -(-longest // block_size) + 1
+    runs = (WARM_UP, *shapes)
+    longest = max(p + o for _, p, o in runs)
+    num_blocks = max(b for b, _, _ in runs) * -(-longest // block_size) + 1
     config = EngineConfig(model=str(model_dir), dtype=dtype, device=device, block_size=block_size,
-                          num_kv_blocks=num_blocks, max_num_seqs=max(b for b, _, _ in shapes),
+                          num_kv_blocks=num_blocks, max_num_seqs=max(b for b, _, _ in runs),
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=longest)
     engine = LLMEngine(config)
     null = NullEngine(num_blocks, block_size, config.max_num_seqs, max_num_batched_tokens)
@@ -84,11 +87,11 @@ def calibrate(model_dir: Path, device: str = "cpu", dtype: str = "auto", block_s
             raise RuntimeError("the engine and its null replay diverged: the engine still has requests")
         return timed
 
-    run(2, 8, 4)  # warm-up: first-call allocations and lazy initialisation
+    run(*WARM_UP)
     steps: list[TimedStep] = []
-    for shape in shapes:
-        rounds = [run(*shape) for _ in range(repeats)]
-        steps += [min(same, key=lambda s: s.seconds) for same in zip(*rounds)]
+    for _ in range(repeats):
+        for shape in shapes:
+            steps += run(*shape)
     spec = spec_from_config(model_dir.name, json.loads((model_dir / "config.json").read_text()))
     name = _DTYPE_NAMES[engine.dtype]
     cost = ModelCost.of(spec, name, name)
