@@ -27,9 +27,10 @@ def save_plot(plan: Plan, path: Path) -> Path:
             if values:
                 xs = np.sort(np.asarray(values))
                 cdf.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=label)
-        for label, slo in (("TTFT p99 SLO", plan.slo.ttft_p99_s), ("TPOT p99 SLO", plan.slo.tpot_p99_s)):
+        slos = (("TTFT p99 SLO", plan.slo.ttft_p99_s, "C0"), ("TPOT p99 SLO", plan.slo.tpot_p99_s, "C1"))
+        for label, slo, color in slos:
             if slo is not None:
-                cdf.axvline(slo, ls="--", lw=1, color="grey", label=label)
+                cdf.axvline(slo, ls="--", lw=1, color=color, label=label)
         cdf.set(xscale="log", xlabel="seconds", ylabel="share of requests", title="Latency CDFs, one replica")
         cdf.legend(fontsize=8)
 
