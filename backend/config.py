@@ -39,6 +39,9 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     scheduling: str = "continuous"
+    # Serve with the engine in a child process of the Triton stub, off the stub's GIL
+    # (pagedllm.engine.core_process); offline LLM use always runs the engine in-process.
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
         _require(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", self.dtype, f"one of auto, {', '.join(_DTYPES)}")
@@ -55,6 +58,7 @@ class EngineConfig:
         _require(self.attention_backend in _ATTENTION_BACKENDS, "attention_backend", self.attention_backend,
                  f"one of {', '.join(_ATTENTION_BACKENDS)}")
         _require(self.scheduling in _SCHEDULING, "scheduling", self.scheduling, f"one of {', '.join(_SCHEDULING)}")
+        _require(isinstance(self.engine_process, bool), "engine_process", self.engine_process, "true or false")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> EngineConfig:

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from pagedllm.engine.core_process import EngineCoreProcess
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.engine_loop import EngineLoop, EngineUnavailable, FailureKind
 from pagedllm.engine.outputs import RequestOutput
@@ -105,7 +106,7 @@ class TritonPythonModel:
             engine_config = dataclasses.replace(engine_config, device=f"cuda:{args['model_instance_device_id']}")
         self._logger.log_info(f"[pagedllm] starting engine with {engine_config}")
         self._model_name = args["model_name"]
-        self._engine = LLMEngine(engine_config)
+        self._engine = EngineCoreProcess(engine_config) if engine_config.engine_process else LLMEngine(engine_config)
         self._max_prompt_bytes = self._engine.max_model_len * MAX_PROMPT_BYTES_PER_TOKEN
         self._metrics = self._create_metrics({"model": args["model_name"], "version": args["model_version"]})
         self._dispatcher = ResponseDispatcher(self._send, self._send_error_now)
@@ -264,6 +265,8 @@ class TritonPythonModel:
         """End every in-flight request with a final response and stop, within ``FINALIZE_BUDGET_S``."""
         deadline = time.monotonic() + FINALIZE_BUDGET_S
         self._stop_serving()
+        if isinstance(self._engine, EngineCoreProcess):
+            self._engine.close(timeout_s=2.0)
         self._dispatcher.close(timeout_s=max(0.1, deadline - time.monotonic() - 1.0))
         self._watcher.close(timeout_s=0.5)
         if self._metrics is not None:

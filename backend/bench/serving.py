@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--load-client", type=Path, default=LOAD_CLIENT)
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT)
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="serve with the engine core in its own process (engine_process in model.json)")
     parser.add_argument("--api", choices=("grpc", "openai"), default="grpc",
                         help="openai: also drive /v1/chat/completions through the OpenAI front door at each "
                              "concurrency, same server and requests, and compare its throughput with gRPC's")
@@ -59,7 +61,8 @@ def run(args: argparse.Namespace) -> None:
     levels = [1, 4] if args.tiny else [int(c) for c in args.concurrency.split(",")]
     words, tokens = (8, 8) if args.tiny else (args.prompt_words, args.output_tokens)
     engine_args = {"model": str(bench_model("tiny")), "dtype": "float32", "device": "cpu", "block_size": 16,
-                   "max_model_len": args.max_model_len, "max_num_seqs": max(levels), "seed": args.seed}
+                   "max_model_len": args.max_model_len, "max_num_seqs": max(levels), "seed": args.seed,
+                   "engine_process": args.engine_process}
     info = report.machine()
     print(report.header("pagedllm bench serving", info))
     rows: list[dict[str, Any]] = []

@@ -1,0 +1,219 @@
+"""The engine core in a child process, behind the interface ``EngineLoop`` drives.
+
+In the Triton stub the engine loop, response building, the sender and
+Triton's own threads would otherwise share one GIL. Here the child owns the
+``LLMEngine`` and steps it whenever it has work, sending each step's outputs
+(text deltas already detokenized) and stats through a pipe; the parent's
+``EngineCoreProcess`` forwards ``add_request`` / ``abort_request`` and hands
+the outputs to the loop one step at a time, sleeping in ``recv`` (GIL released)
+in between. If the child dies (a crashing kernel, the OOM killer), the step
+that notices raises, the loop fails the in-flight requests, and the next call
+starts a fresh child: the server keeps serving without a reload.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections import deque
+from multiprocessing.connection import Connection
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 900.0  # loading a large checkpoint takes minutes
+
+
+class EngineCoreDied(RuntimeError):
+    """The child process ended; the message has its exit code."""
+
+
+class EngineCoreProcess:
+    """An ``LLMEngine`` in its own process (see the module docstring); not thread-safe, like the engine."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.restarts = 0
+        self._start()
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self._info["tokenizer_dir"])
+        self.max_model_len: int = self._info["max_model_len"]
+
+    # ---- EngineLike ----
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        self._ensure_alive()
+        self._send(("add", request_id, prompt, params))
+        while True:
+            message = self._recv()
+            if message[0] == "verdict" and message[1] == request_id:
+                break
+            self._keep(message)
+        error = message[2]
+        if error is not None:
+            kind, text = error
+            raise ValueError(text) if kind == "ValueError" else RuntimeError(text)
+        self._in_flight.add(request_id)
+
+    def abort_request(self, request_id: str) -> None:
+        if request_id in self._in_flight and self._process.poll() is None:
+            self._send(("abort", request_id))
+
+    def step(self) -> list[RequestOutput]:
+        self._ensure_alive()
+        while not self._steps:
+            self._keep(self._recv())
+        outcome = self._steps.popleft()
+        if isinstance(outcome, str):
+            raise RuntimeError(outcome)
+        for output in outcome:
+            if output.finished:
+                self._in_flight.discard(output.request_id)
+        return outcome
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._in_flight)
+
+    def stats(self) -> Any:
+        return self._stats
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the child, killing it if it does not stop within ``timeout_s``."""
+        if self._process.poll() is None:
+            try:
+                self._conn.send(("stop",))
+            except OSError:
+                pass
+            try:
+                self._process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait(timeout_s)
+        self._conn.close()
+
+    # ---- parent side ----
+
+    def _start(self) -> None:
+        # A plain child interpreter rather than multiprocessing's spawn, which would re-run the
+        # parent's main module (inside Triton's stub there is no such module to re-run).
+        parent_end, child_end = socket.socketpair()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        command = [_python_executable(), "-c", f"from {__name__} import child_main; child_main({child_end.fileno()})"]
+        self._process = subprocess.Popen(command, pass_fds=[child_end.fileno()], env=env)
+        child_end.close()
+        self._conn = Connection(parent_end.detach())
+        self._in_flight: set[str] = set()
+        self._steps: deque[list[RequestOutput] | str] = deque()
+        self._send(("config", self.config))
+        if not self._conn.poll(START_TIMEOUT_S):
+            self.close()
+            raise RuntimeError(f"the engine core did not start within {START_TIMEOUT_S:.0f} s")
+        message = self._recv()
+        if message[0] == "failed":
+            self._process.wait(10)
+            kind, text = message[1]
+            raise ValueError(text) if kind == "ValueError" else RuntimeError(text)
+        self._info: dict[str, Any] = message[1]
+        self._stats = message[2]
+
+    def _ensure_alive(self) -> None:
+        code = self._process.poll()
+        if code is None:
+            return
+        self._conn.close()
+        self.restarts += 1
+        log.error("engine core process died (exit code %s); starting a new one (restart %d)", code, self.restarts)
+        self._start()
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        try:
+            self._conn.send(message)
+        except OSError as error:
+            raise EngineCoreDied(f"engine core process is gone: {error}") from error
+
+    def _recv(self) -> tuple[Any, ...]:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError) as error:
+            try:
+                code = self._process.wait(5)
+            except subprocess.TimeoutExpired:
+                code = None
+            self._in_flight.clear()
+            self._steps.clear()
+            raise EngineCoreDied(f"engine core process died (exit code {code}); "
+                                 "in-flight requests are lost, the next request starts a new engine") from error
+
+    def _keep(self, message: tuple[Any, ...]) -> None:
+        if message[0] == "step":
+            self._steps.append(message[1])
+            self._stats = message[2]
+        elif message[0] == "step_failed":
+            self._steps.append(message[1])
+            self._stats = message[2]
+
+
+def _python_executable() -> str:
+    if os.path.basename(sys.executable).startswith("python"):
+        return sys.executable
+    found = shutil.which("python3") or shutil.which("python")
+    if found is None:
+        raise RuntimeError("no python interpreter found on PATH for the engine core process")
+    return found
+
+
+# ---- child side ----
+
+def child_main(fd: int) -> None:
+    """Entry point of the child interpreter: serve the engine over the connection on ``fd``."""
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    conn = Connection(fd)
+    _, config = conn.recv()
+    try:
+        engine = LLMEngine(config)
+    except Exception as error:
+        conn.send(("failed", (type(error).__name__, str(error))))
+        return
+    info = {"max_model_len": engine.max_model_len, "tokenizer_dir": engine.tokenizer.name_or_path}
+    conn.send(("ready", info, engine.stats()))
+    while True:
+        # Block only when there is nothing to compute; otherwise take what has arrived and step.
+        if not engine.has_unfinished_requests():
+            conn.poll(None)
+        while conn.poll(0):
+            try:
+                message = conn.recv()
+            except EOFError:  # the parent is gone: nobody is left to serve
+                return
+            if message[0] == "stop":
+                return
+            if message[0] == "add":
+                conn.send(("verdict", message[1], _add(engine, message[1], message[2], message[3])))
+            elif message[0] == "abort":
+                engine.abort_request(message[1])
+        if not engine.has_unfinished_requests():
+            continue
+        try:
+            outputs = engine.step()
+        except Exception as error:
+            log.exception("engine step failed in the engine core process")
+            conn.send(("step_failed", f"engine step failed: {error}", engine.stats()))
+            continue
+        conn.send(("step", outputs, engine.stats()))
+
+
+def _add(engine: Any, request_id: str, prompt: str | list[int], params: SamplingParams) -> tuple[str, str] | None:
+    try:
+        engine.add_request(request_id, prompt, params)
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return None

@@ -1,0 +1,80 @@
+"""The engine core in a child process: same tokens as in-process, bad input still a ValueError, and a
+killed child fails only the requests in flight; the next request gets a fresh engine."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineConfig
+from pagedllm.engine.core_process import EngineCoreProcess
+from pagedllm.engine.engine_loop import EngineLoop, FailureKind
+from pagedllm.engine.outputs import RequestOutput
+
+PROMPTS = ["def add(a, b):", "import os\n", "class Tree:"]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def config(tiny_model_dir: Callable[[str], Path]) -> EngineConfig:
+    return EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", max_model_len=256, num_kv_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def expected(config: EngineConfig) -> list[str]:
+    llm = LLM(model=config.model, dtype="float32", max_model_len=256, num_kv_blocks=64)
+    return [out.outputs[0].text for out in llm.generate(PROMPTS, GREEDY)]
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.text = ""
+        self.error: tuple[str, FailureKind] | None = None
+        self.done = threading.Event()
+
+    def on_output(self, output: RequestOutput) -> None:
+        self.text += "".join(delta.text for delta in output.outputs)
+        if output.finished:
+            self.done.set()
+
+    def on_error(self, message: str, kind: FailureKind) -> None:
+        self.error = (message, kind)
+        self.done.set()
+
+
+def submit(loop: EngineLoop, request_id: str, prompt: str, params: SamplingParams) -> Collector:
+    collector = Collector()
+    loop.submit(request_id, prompt, params, collector.on_output, on_error=collector.on_error)
+    return collector
+
+
+def test_child_engine_serves_exact_tokens_and_recovers_from_being_killed(config: EngineConfig,
+                                                                         expected: list[str]) -> None:
+    core = EngineCoreProcess(config)
+    loop = EngineLoop(core).start()
+    try:
+        results = [submit(loop, f"r{i}", prompt, GREEDY) for i, prompt in enumerate(PROMPTS)]
+        assert all(r.done.wait(120) for r in results)
+        assert [r.text for r in results] == expected
+
+        with pytest.raises(ValueError, match="n=1000"):
+            loop.submit("bad", PROMPTS[0], SamplingParams(n=1000), lambda output: None)
+
+        long = submit(loop, "long", PROMPTS[0], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+        os.kill(core._process.pid, signal.SIGKILL)
+        assert long.done.wait(120), "the in-flight request hung after the engine died"
+        assert long.error is not None and "engine core process died" in long.error[0]
+
+        again = submit(loop, "again", PROMPTS[1], GREEDY)
+        assert again.done.wait(300)
+        assert again.error is None and again.text == expected[1]
+        assert core.restarts == 1
+    finally:
+        loop.stop()
+        core.close()
+    assert core._process.poll() is not None, "the child outlived close()"
