@@ -142,7 +142,9 @@ def test_decodes_batch_by_similar_length_and_prefills_attend_alone() -> None:
 
     mixed = CASES["mixed-gqa8-d96-b16"]
     layout = torch_backend().plan(metadata_of(make_batch(mixed))).plan.layout(mixed.block_size, mixed.dtype)
-    assert [(chunk.start, chunk.query_len) for chunk in layout.prefills] == [(1, 6), (7, 4)]
+    assert [(chunk.start, chunk.query_len, chunk.seq_len) for chunk in layout.prefills] == [(1, 6, 22), (7, 4, 4)]
+    # A chunk after earlier context is masked; a whole prompt uses SDPA's own causal mode.
+    assert [chunk.mask is None for chunk in layout.prefills] == [False, True]
     assert sorted(int(token) for batch in layout.decodes for token in batch.tokens) == [0, 11]
 
 

