@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from pagedllm.bench.null_engine import NullEngine
 from pagedllm.bench.workloads import KINDS, make_workload
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
@@ -53,6 +54,20 @@ def test_cpu_plan_sizes_the_kv_cache_as_the_engine_does(tiny_model_dir: Callable
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", device="cpu", max_model_len=512,
                                     max_num_seqs=32))
     assert capacity(deployment).engine_kv_blocks == engine.kv.num_blocks
+
+
+def test_step_shapes_count_tokens_context_and_logits_rows_by_hand() -> None:
+    engine = NullEngine(num_blocks=16, block_size=16, max_num_seqs=4, max_num_batched_tokens=16)
+    engine.add_request(list(range(1, 25)), SamplingParams(n=2, max_tokens=2, ignore_eos=True))
+    shapes = []
+    while engine.has_unfinished_requests():
+        shapes.append(StepShape.of(engine.step()))
+    assert shapes == [
+        StepShape(num_seqs=1, num_tokens=16, num_sampled=0, kv_tokens_read=16, attention_pairs=16 * 17 // 2),
+        # the prompt's last 8 tokens attend to 17..24 keys; one logits row serves both samples
+        StepShape(num_seqs=1, num_tokens=8, num_sampled=1, kv_tokens_read=24, attention_pairs=sum(range(17, 25))),
+        StepShape(num_seqs=2, num_tokens=2, num_sampled=2, kv_tokens_read=50, attention_pairs=50),
+    ]
 
 
 def test_fit_recovers_the_coefficients_that_made_the_timings() -> None:

@@ -78,8 +78,7 @@ def calibrate(model_dir: Path, device: str = "cpu", dtype: str = "auto", block_s
             null.add_request(ids, params)
         timed = []
         while null.has_unfinished_requests():
-            before = {seq: seq.num_tokens for seq in (*null.scheduler.running, *null.scheduler.waiting)}
-            shape = StepShape.of(null.step(), before)
+            shape = StepShape.of(null.step())
             start = time.perf_counter()
             engine.step()
             timed.append(TimedStep(shape, time.perf_counter() - start))

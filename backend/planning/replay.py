@@ -78,26 +78,22 @@ def replay(requests: Seq[TimedRequest], limits: EngineLimits, clock: Callable[[S
     while pending or engine.has_unfinished_requests():
         while pending and pending[0].arrival_s <= now:
             timed = pending.popleft()
-            engine.add_request(timed.prompt_token_ids,
-                               SamplingParams(n=timed.n, max_tokens=timed.max_tokens, ignore_eos=True))
-            # add_request queues the request's first sequence at the back of the waiting queue.
-            timings[engine.scheduler.waiting[-1].request] = _Timing(timed.arrival_s, timed.max_tokens)
+            request = engine.add_request(timed.prompt_token_ids,
+                                         SamplingParams(n=timed.n, max_tokens=timed.max_tokens, ignore_eos=True))
+            timings[request] = _Timing(timed.arrival_s, timed.max_tokens)
         if not engine.has_unfinished_requests():
             now = pending[0].arrival_s
             continue
-        before = {seq: seq.num_tokens for seq in (*engine.scheduler.running, *engine.scheduler.waiting)}
         step = engine.step()
         steps += 1
-        shape = StepShape.of(step, before)
-        now += clock(shape)
+        now += clock(StepShape.of(step))
         usage.append((now, engine.kv.num_used_blocks / engine.kv.num_blocks))
-        for item in step.scheduled:
-            if item.seq.num_computed_tokens != before[item.seq]:
-                continue  # a prefill chunk short of the prompt's end: nothing sampled
-            timing = timings[item.seq.request]
+        sampled = {seq.request for seq in step.samples} | {batch.request for batch in step.beams}
+        for request in sampled:
+            timing = timings[request]
             if timing.first_token_s is None:
                 timing.first_token_s = now
-            if timing.finish_s is None and item.seq.request.is_finished:
+            if timing.finish_s is None and request.is_finished:
                 timing.finish_s = now
     done = list(timings.values())
     return ReplayResult(

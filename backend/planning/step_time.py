@@ -16,13 +16,12 @@ from timed engine steps (``calibrate``).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence as Seq
+from collections.abc import Sequence as Seq
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
-from pagedllm.core.request import Sequence
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.planning.gpu_catalog import Accelerator
 from pagedllm.planning.kv_math import DTYPE_BYTES, kv_bytes_per_token, kv_heads_per_gpu, weights_bytes_per_gpu
@@ -47,19 +46,16 @@ class StepShape:
     attention_pairs: int  # (query token, key token) pairs attended, causal
 
     @classmethod
-    def of(cls, step: SchedulerOutput, tokens_before: Mapping[Sequence, int]) -> StepShape:
-        """Shape of a step that has run: its tokens are counted in each sequence's ``num_computed_tokens``.
-
-        ``tokens_before`` holds each live sequence's length before the step; a
-        sequence whose computed tokens reach it sampled (its logits were computed).
-        """
-        kv = pairs = sampled = 0
+    def of(cls, step: SchedulerOutput) -> StepShape:
+        """Shape of a step that has run: its tokens are counted in each sequence's ``num_computed_tokens``."""
+        kv = pairs = 0
         for item in step.scheduled:
             end, q = item.seq.num_computed_tokens, item.num_tokens
             kv += end
             pairs += q * end - q * (q - 1) // 2
-            sampled += end == tokens_before[item.seq]
-        return cls(len(step.scheduled), step.num_tokens, sampled, kv, pairs)
+        # Logits are computed once per completing sequence: forked siblings and beams reuse their rows.
+        rows = set(step.sample_logit_rows).union(*(batch.logit_rows for batch in step.beams))
+        return cls(len(step.scheduled), step.num_tokens, len(rows), kv, pairs)
 
 
 @dataclass(frozen=True, slots=True)
