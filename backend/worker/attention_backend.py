@@ -48,6 +48,7 @@ def _attend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def _unplanned(metadata: AttentionMetadata) -> AttentionMetadata:
+    """The oracle redoes its layout work in every call, on purpose: it stays simple and independent."""
     return metadata
 
 
@@ -61,6 +62,7 @@ def torch_backend() -> AttentionBackend:
 
 
 def triton_backend() -> AttentionBackend:
+    """The Triton-lang kernels: the plan checks the layout once, the first layer plans the launch."""
     from pagedllm.kernels import triton_backend_ops
     from pagedllm.kernels.attention_launch import plan_unified_attention, unified_attention_planned
 
