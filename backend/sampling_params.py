@@ -10,7 +10,12 @@ Every problem raises ``ValueError`` naming the field. Limits this file sets itse
 * ``stop`` holds at most ``MAX_STOP_STRINGS`` (64) strings of at most
   ``MAX_STOP_STRING_CHARS`` (1024) characters each, and ``stop_token_ids`` at most
   ``MAX_STOP_TOKEN_IDS`` (1024) ids: every stop is checked after every token, so an
-  unbounded list would let one request slow every step.
+  unbounded list would let one request slow every step;
+* beam search (``beam_width`` > 1) is deterministic and scores raw log-probabilities,
+  so it takes ``temperature`` 0 and refuses what would change either (sampling
+  filters, penalties, seeds, ``min_tokens``), stop strings (text; use
+  ``stop_token_ids``) and per-token logprobs; ``n`` must not exceed ``beam_width``;
+  ``length_penalty`` and ``early_stopping`` apply only to beam search.
 
 To add a field, declare it with its type and default; ``from_dict`` and the type
 checks follow the annotation, and range rules go in ``_validate``.
@@ -65,6 +70,8 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # Seconds the request may take from arrival; the engine loop aborts it once they pass.
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +96,7 @@ class SamplingParams:
             "min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})",
         )
         _check(self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, "must be >= 0")
+        _check(self.timeout is None or self.timeout > 0, "timeout", self.timeout, "must be > 0 (seconds)")
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"<{len(self.stop)} strings>",
                f"at most {MAX_STOP_STRINGS} stop strings")
         _check(all(s for s in self.stop), "stop", self.stop, "must not contain empty strings")
@@ -106,13 +114,15 @@ class SamplingParams:
         _check(self.early_stopping in (True, False, "never"), "early_stopping", self.early_stopping,
                'must be true, false or "never"')
         if not self.use_beam_search:
-            _check(self.length_penalty == 1.0, "length_penalty", self.length_penalty, "applies only with beam_width > 1")
+            _check(self.length_penalty == 1.0, "length_penalty", self.length_penalty,
+                   "applies only with beam_width > 1")
             _check(self.early_stopping is False, "early_stopping", self.early_stopping,
                    "applies only with beam_width > 1")
             return
         rule = f"does not apply to beam search (beam_width={self.beam_width})"
         _check(self.n <= self.beam_width, "n", self.n, f"must be <= beam_width ({self.beam_width})")
-        _check(self.greedy, "temperature", self.temperature, f"must be 0 with beam_width={self.beam_width}: beam search is deterministic")
+        _check(self.greedy, "temperature", self.temperature,
+               f"must be 0 with beam_width={self.beam_width}: beam search is deterministic")
         _check(self.top_p == 1.0, "top_p", self.top_p, rule)
         _check(self.top_k == -1, "top_k", self.top_k, rule)
         _check(self.min_p == 0.0, "min_p", self.min_p, rule)

@@ -5,9 +5,10 @@ sharing a long prefix); ``beam_width`` in {2, 4}, ``n`` in {1, beam_width},
 ``length_penalty`` in {1.0, 0.5}, ``early_stopping`` in {False, True}; 32 new
 tokens with stop ids taken from the model's own greedy output, so some
 hypotheses end early. Each prompt of each architecture runs one of the 16
-combinations, chosen so that every combination runs on several architectures
-and every architecture sees most of them (set ``PAGEDLLM_FULL_BEAM_MATRIX=1`` for
-the whole product: 512 searches a side, several minutes on two cores). The
+combinations: every combination runs at least once (most on two
+architectures) and every architecture sees eight, with both values of every
+parameter (set ``PAGEDLLM_FULL_BEAM_MATRIX=1`` for the whole product: 512
+searches a side, several minutes on two cores). The
 reference runs with ``num_return_sequences=beam_width``: ``n`` only picks how many
 of the same sorted hypotheses come back.
 
@@ -112,7 +113,8 @@ def test_beam_search_equals_transformers(arch: str, setup: str, tiny_model_dir: 
         width, n, length_penalty, early_stopping = combo
         expected = reference(model_dir, tuple(prompt), width, length_penalty, early_stopping, stops)[:n]
         got = [(o.token_ids, o.score) for o in result.outputs]
-        assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected], f"{combo} on a {len(prompt)}-token prompt"
+        assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected], \
+            f"{combo} on a {len(prompt)}-token prompt"
         for (_, score), (_, want), output in zip(got, expected, result.outputs):
             assert score == pytest.approx(want, abs=SCORE_TOLERANCE)
             assert output.cumulative_logprob == pytest.approx(score * len(output.token_ids) ** length_penalty, abs=1e-3)
@@ -128,6 +130,22 @@ def test_beam_search_equals_transformers(arch: str, setup: str, tiny_model_dir: 
         assert stats.num_preemptions > 0
     if SETUPS[setup]["enable_prefix_caching"]:
         assert stats.prefix_cache_hit_tokens > 0
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 0.5])
+def test_early_stopping_never_equals_transformers(length_penalty: float, tiny_model_dir: Callable[[str], Path]) -> None:
+    """``"never"`` with a positive length penalty judges running beams at max_tokens; width 3 is not a power of 2."""
+    model_dir = tiny_model_dir("llama")
+    chosen = prompts()[2:4]
+    stop_of = dict(zip(map(tuple, prompts()), stop_ids(model_dir)))
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", max_model_len=256)
+    combo = (3, 3, length_penalty, "never")
+    results = llm.generate([{"prompt_token_ids": p} for p in chosen],
+                           [beam_params(combo, stop_of[tuple(p)]) for p in chosen])
+    for prompt, result in zip(chosen, results):
+        expected = reference(model_dir, tuple(prompt), 3, length_penalty, "never", stop_of[tuple(prompt)])
+        assert [o.token_ids for o in result.outputs] == [tokens for tokens, _ in expected]
+        assert [o.score for o in result.outputs] == pytest.approx([score for _, score in expected], abs=SCORE_TOLERANCE)
 
 
 def test_a_width_4_group_holds_the_prompts_full_blocks_once(tiny_model_dir: Callable[[str], Path]) -> None:
@@ -173,8 +191,10 @@ def test_impossible_combinations_name_the_field(fields: dict[str, object], field
 
 
 def test_early_stopping_never_and_string_values_parse() -> None:
-    assert SamplingParams.from_dict({"beam_width": "3", "temperature": "0", "early_stopping": "never"}).early_stopping == "never"
-    assert SamplingParams.from_dict({"beam_width": 3, "temperature": 0, "early_stopping": "true"}).early_stopping is True
+    never = SamplingParams.from_dict({"beam_width": "3", "temperature": "0", "early_stopping": "never"})
+    assert never.early_stopping == "never"
+    true = SamplingParams.from_dict({"beam_width": 3, "temperature": 0, "early_stopping": "true"})
+    assert true.early_stopping is True
 
 
 def test_engine_refuses_a_width_beyond_max_num_seqs(tiny_model_dir: Callable[[str], Path]) -> None:

@@ -14,7 +14,8 @@ def test_branching_chat_children_extend_their_parents_context() -> None:
     assert sum(len(level.requests) for level in levels) == len(workload.requests)
     for parents, children in zip(levels, levels[1:]):
         for child in children.requests:
-            parent = [p for p in parents.requests if child.prompt_token_ids[: len(p.prompt_token_ids)] == p.prompt_token_ids]
+            parent = [p for p in parents.requests
+                      if child.prompt_token_ids[: len(p.prompt_token_ids)] == p.prompt_token_ids]
             assert len(parent) == 1, "each child extends exactly one parent's prompt"
             assert len(child.prompt_token_ids) > len(parent[0].prompt_token_ids)
 

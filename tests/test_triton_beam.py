@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
+from pagedllm.engine.outputs import CompletionOutput  # noqa: E402
 from pagedllm.serving.server import TritonServer  # noqa: E402
 
 pytestmark = pytest.mark.tritonserver
@@ -44,7 +46,7 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="module")
-def offline(model_dir: Path):
+def offline(model_dir: Path) -> list[CompletionOutput]:
     llm = LLM(model=str(model_dir), **ENGINE_ARGS)
     return llm.generate([PROMPT], SamplingParams(**BEAMS))[0].outputs
 
@@ -55,7 +57,7 @@ def infer(url: str, params: dict[str, object], stream: bool) -> tuple[list[dict[
     errors: list[str] = []
     done = threading.Event()
 
-    def on_response(result, error) -> None:
+    def on_response(result: Any, error: Any) -> None:
         if error is not None:
             errors.append(str(error))
             done.set()
@@ -90,7 +92,9 @@ def infer(url: str, params: dict[str, object], stream: bool) -> tuple[list[dict[
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_beam_request_returns_the_offline_hypotheses_in_one_response(server: TritonServer, offline, stream: bool) -> None:
+def test_beam_request_returns_the_offline_hypotheses_in_one_response(
+    server: TritonServer, offline: list[CompletionOutput], stream: bool
+) -> None:
     responses, error = infer(server.grpc_url, BEAMS, stream)
     assert error is None
     # Streaming or not, one response: beams rewrite earlier tokens, so there are no deltas.
@@ -109,7 +113,7 @@ def test_beam_request_returns_the_offline_hypotheses_in_one_response(server: Tri
     ({**BEAMS, "seed": 7}, "seed"),
 ])
 def test_impossible_beam_combinations_get_an_error_naming_the_field(
-    server: TritonServer, offline, params: dict[str, object], field: str
+    server: TritonServer, offline: list[CompletionOutput], params: dict[str, object], field: str
 ) -> None:
     responses, error = infer(server.grpc_url, params, stream=False)
     assert error is not None and f"{field}=" in error, error

@@ -346,9 +346,9 @@ class LLMEngine:
             needed = params.beam_width * self.kv.blocks_needed(longest)
         if needed > self.kv.num_blocks:
             field = "beam_width" if params.use_beam_search else "max_tokens" if params.n == 1 else "n"
+            count = params.beam_width if params.use_beam_search else params.n
             raise ValueError(
-                f"{field}: request can never fit in the KV cache: {params.beam_width if params.use_beam_search else params.n} "
-                f"sequence(s) of up to {longest} tokens "
+                f"{field}: request can never fit in the KV cache: {count} sequence(s) of up to {longest} tokens "
                 f"need {needed} blocks of {self.kv.block_size}, the cache has {self.kv.num_blocks} "
                 "(lower max_tokens or n, or raise num_kv_blocks)"
             )
