@@ -68,7 +68,8 @@ def test_impossible_plans_name_the_reason_and_what_would_fit() -> None:
 
     with pytest.raises(PlanDoesNotFit, match="weights need 131.[0-9] GiB per GPU") as too_big:
         check(Deployment(CATALOG["Llama-3.1-70B"], GPUS["L40S"]), requests)
-    assert too_big.value.suggestions[0].startswith("--tensor-parallel-size 4 (4 × L40S per replica) with --max-model-len")
+    assert too_big.value.suggestions[0].startswith(
+        "--tensor-parallel-size 4 (4 × L40S per replica) with --max-model-len")
     assert too_big.value.suggestions[1] == "--tensor-parallel-size 8 (8 × L40S per replica)"
 
     with pytest.raises(PlanDoesNotFit, match="one request of max_model_len=131072 tokens needs 16.00 GiB") as no_kv:

@@ -115,7 +115,8 @@ def random_checkpoint(spec: ModelSpec, out_dir: Path, num_layers: int | None = N
     config.save_pretrained(out_dir)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEFAULT_MODEL_DIR / name, out_dir / name)
-    h, q, kv, i = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
+    h, i = spec.hidden_size, spec.intermediate_size
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
     for n in range(layers):
         prefix = f"model.layers.{n}."

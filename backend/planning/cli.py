@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--device", choices=("gpu", "cpu"), default="gpu", help="cpu: plan for this machine")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default="auto", help="float32, float16, bfloat16; auto: bfloat16 (float32 on cpu)")
-    engine.add_argument("--kv-dtype", default="auto", help="KV cache dtype (float32, float16, bfloat16, fp8); auto: --dtype")
+    engine.add_argument("--kv-dtype", default="auto",
+                        help="KV cache dtype (float32, float16, bfloat16, fp8); auto: --dtype")
     engine.add_argument("--tensor-parallel-size", type=int, default=1)
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)

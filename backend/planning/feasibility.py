@@ -1,4 +1,7 @@
-"""Plans that cannot work, said plainly, with what would: more tensor parallelism, a bigger GPU, a shorter max_model_len."""
+"""Plans that cannot work, said plainly, with what would fit.
+
+The suggestions: more tensor parallelism, a bigger GPU, a shorter max_model_len.
+"""
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq

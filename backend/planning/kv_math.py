@@ -72,7 +72,8 @@ def kv_heads_per_gpu(model: ModelSpec, tensor_parallel_size: int) -> int:
     """KV heads each GPU holds; replicated (one per GPU) when there are more GPUs than KV heads, as in vLLM."""
     tp = tensor_parallel_size
     if model.num_heads % tp:
-        raise ValueError(f"--tensor-parallel-size={tp} does not divide {model.name}'s {model.num_heads} attention heads")
+        raise ValueError(
+            f"--tensor-parallel-size={tp} does not divide {model.name}'s {model.num_heads} attention heads")
     if model.num_kv_heads % tp and tp % model.num_kv_heads:
         raise ValueError(f"--tensor-parallel-size={tp} and {model.name}'s {model.num_kv_heads} KV heads: "
                          "one must divide the other")

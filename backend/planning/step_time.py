@@ -24,7 +24,7 @@ import numpy as np
 
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.planning.gpu_catalog import Accelerator
-from pagedllm.planning.kv_math import DTYPE_BYTES, kv_bytes_per_token, kv_heads_per_gpu, weights_bytes_per_gpu
+from pagedllm.planning.kv_math import kv_bytes_per_token, kv_heads_per_gpu, weights_bytes_per_gpu
 from pagedllm.planning.model_catalog import ModelSpec
 
 # Achievable shares of the data-sheet peaks for a well-tuned decode (bandwidth) and prefill (tensor cores).

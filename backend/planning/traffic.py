@@ -47,7 +47,8 @@ class LengthDistribution:
             low, _, high = bounds.partition("-")
             dist = cls(kind, int(low), int(high or low))
         except ValueError as error:
-            raise ValueError(f"{flag}={text!r} is invalid: expected N, LO-HI, uniform:LO-HI or longtail:LO-HI") from error
+            raise ValueError(
+                f"{flag}={text!r} is invalid: expected N, LO-HI, uniform:LO-HI or longtail:LO-HI") from error
         if kind not in ("fixed", "uniform", "longtail") or not 1 <= dist.low <= dist.high:
             raise ValueError(f"{flag}={text!r} is invalid: expected N, LO-HI, uniform:LO-HI or longtail:LO-HI "
                              "with 1 <= LO <= HI")

@@ -15,7 +15,6 @@ their mean is the prediction compared. ``python -m pagedllm.planning.validate``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -40,8 +39,9 @@ def validate(model: str) -> dict[str, Any]:
     max_model_len = -(-workload.max_len // 16) * 16
     settings = EngineSettings(32, 2048, 16, max_model_len, 0)
     model_dir = bench_model(model)
-    deployment = Deployment(resolve_model(str(model_dir)), this_cpu(), "float32", "float32", max_model_len=max_model_len,
-                            max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens)
+    deployment = Deployment(resolve_model(str(model_dir)), this_cpu(), "float32", "float32",
+                            max_model_len=max_model_len, max_num_seqs=settings.max_num_seqs,
+                            max_num_batched_tokens=settings.max_num_batched_tokens)
     requests = [TimedRequest(0.0, r.prompt_token_ids, r.max_tokens, r.n) for r in workload.requests]
     before = calibrate(model_dir, dtype="float32")
     measured = run_pagedllm(model_dir, workload, settings, "continuous")
