@@ -29,6 +29,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.core.request import Request
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 NEW_TOKENS = 32
@@ -220,3 +221,27 @@ def test_a_beam_request_streams_once_and_aborts_whole(tiny_model_dir: Callable[[
     (out,) = engine.step()
     assert out.finished and [d.finish_reason for d in out.outputs] == ["abort", "abort"]
     assert not engine.has_unfinished_requests() and engine.stats().num_blocks_used == 0
+
+
+def test_a_beam_request_whose_output_fails_ends_alone(tiny_model_dir: Callable[[str], Path],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", max_model_len=128)
+    engine = llm.engine
+    real_decode = engine.outputs.decode
+
+    def decode(request: Request, token_ids: tuple[int, ...], finish_reason: str) -> str:
+        if request.request_id == "bad":
+            raise RuntimeError("detokenizer exploded")
+        return real_decode(request, token_ids, finish_reason)
+
+    monkeypatch.setattr(engine.outputs, "decode", decode)
+    params = SamplingParams(beam_width=2, temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("bad", "def f():", params)
+    engine.add_request("good", "class A:", params)
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            results[out.request_id] = out
+    assert results["bad"].finished and "detokenizer exploded" in results["bad"].error
+    assert results["good"].error is None and len(results["good"].outputs[0].token_ids) == 6
+    assert engine.stats().num_blocks_used == 0

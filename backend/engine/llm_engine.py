@@ -175,8 +175,14 @@ class LLMEngine:
         for batch in out.beams:
             self._generation_tokens_total += len(batch.beams)
             search = _beam_search_of(batch.request)
-            if search.done and batch.request.request_id not in errors:
-                deltas[batch.request.request_id] = self._beam_outputs(batch.request, search)
+            request_id = batch.request.request_id
+            if not search.done or request_id in errors:
+                continue
+            try:
+                deltas[request_id] = self._beam_outputs(batch.request, search)
+            except Exception as error:  # decoding a hypothesis failed: this request's fault alone
+                log.exception("output processing failed for request %s", request_id)
+                errors[request_id] = f"output processing failed: {error}"
 
     def _beam_candidates(self, logits: torch.Tensor, batch: BeamBatch) -> list[BeamCandidate]:
         search = _beam_search_of(batch.request)
