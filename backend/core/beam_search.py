@@ -93,7 +93,7 @@ class BeamSearch:
                     reason = "stop" if candidate.token_id in self.stop_token_ids else "length"
                     score = _f32(candidate.cumulative_logprob / penalty)
                     self.hypotheses.append(Hypothesis(tokens, candidate.cumulative_logprob, score, reason))
-            # Stable sort: an earlier hypothesis wins a tie, as in transformers' merge.
+            # Stable sort: on an exact tie the hypothesis kept earlier stays ahead.
             self.hypotheses.sort(key=lambda h: -h.score)
             del self.hypotheses[self.width :]
 
