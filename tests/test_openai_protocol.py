@@ -76,3 +76,11 @@ def test_requests_are_503_while_triton_cannot_be_reached(http: TestClient) -> No
     assert response.status_code == 503
     assert response.json()["error"]["type"] == "service_unavailable_error"
     assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["plain"]
+
+
+def test_a_template_that_writes_bos_does_not_get_a_second_one(tiny_model_dir: Callable[[str], Path]) -> None:
+    model = ServedModel.load("bos", "llm", tiny_model_dir("llama"))
+    model.tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"
+    prompt = model.chat_prompt([{"role": "user", "content": "hi"}])
+    assert prompt == "[user] hi"
+    assert model.tokenizer(prompt).input_ids.count(model.tokenizer.bos_token_id) == 1
