@@ -31,6 +31,7 @@ from pagedllm.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 900.0  # loading a large checkpoint takes minutes
+STALLED_RETRY_S = 0.5
 
 
 class EngineCoreDied(RuntimeError):
@@ -185,10 +186,14 @@ def child_main(fd: int) -> None:
         return
     info = {"max_model_len": engine.max_model_len, "tokenizer_dir": engine.tokenizer.name_or_path}
     conn.send(("ready", info, engine.stats()))
+    stalled = False
     while True:
-        # Block only when there is nothing to compute; otherwise take what has arrived and step.
+        # Block only when there is nothing to compute (or nothing could be scheduled last
+        # time, which only a new command can change); otherwise take what has arrived and step.
         if not engine.has_unfinished_requests():
             conn.poll(None)
+        elif stalled:
+            conn.poll(STALLED_RETRY_S)
         while conn.poll(0):
             try:
                 message = conn.recv()
@@ -202,13 +207,21 @@ def child_main(fd: int) -> None:
                 engine.abort_request(message[1])
         if not engine.has_unfinished_requests():
             continue
+        before = _progress(engine.stats())
         try:
             outputs = engine.step()
         except Exception as error:
             log.exception("engine step failed in the engine core process")
             conn.send(("step_failed", f"engine step failed: {error}", engine.stats()))
             continue
-        conn.send(("step", outputs, engine.stats()))
+        stats = engine.stats()
+        stalled = not outputs and _progress(stats) == before
+        conn.send(("step", outputs, stats))
+
+
+def _progress(stats: Any) -> tuple[int, ...]:
+    return (stats.num_blocks_free, stats.num_running, stats.num_waiting, stats.num_preemptions,
+            stats.prompt_tokens_total, stats.generation_tokens_total)
 
 
 def _add(engine: Any, request_id: str, prompt: str | list[int], params: SamplingParams) -> tuple[str, str] | None:
