@@ -17,6 +17,10 @@ requests get UNAVAILABLE with the reason, and the model asks Triton to unload it
 (``pb_utils.unload_model``), which turns ``/v2/models/<name>/ready`` false. Triton
 allows that only with ``--model-control-mode=explicit``, which ``pagedllm serve``
 uses; under other modes the model stays listed as ready and answers UNAVAILABLE.
+Under ``pagedllm serve`` (``serving.supervision``) the model also records why its
+engine died, so the launcher reloads it, tells its in-flight streams that the engine
+is restarting, and publishes the launcher's restart count as
+``pagedllm:engine_restarts_total``.
 ``finalize`` returns within ``FINALIZE_BUDGET_S`` whatever the engine is doing: each
 in-flight stream gets a final UNAVAILABLE error.
 
@@ -54,11 +58,12 @@ from pagedllm.serving.request_codec import (
 from pagedllm.serving.response_codec import ResponseAssembler, Tensors
 from pagedllm.serving.response_dispatcher import Data, Failure, ResponseDispatcher
 from pagedllm.serving import stop_signal
+from pagedllm.serving.supervision import SupervisionFolder
 
 
 FINALIZE_BUDGET_S = 10.0
 _ERROR_CODES = {FailureKind.REQUEST: "INTERNAL", FailureKind.ENGINE: "INTERNAL",
-                FailureKind.UNAVAILABLE: "UNAVAILABLE"}
+                FailureKind.UNAVAILABLE: "UNAVAILABLE", FailureKind.TIMEOUT: "UNAVAILABLE"}
 
 
 @dataclass(slots=True)
@@ -107,8 +112,13 @@ class TritonPythonModel:
         self._logger.log_info(f"[pagedllm] starting engine with {engine_config}")
         self._model_name = args["model_name"]
         self._engine = EngineCoreProcess(engine_config) if engine_config.engine_process else LLMEngine(engine_config)
+        self._supervision = SupervisionFolder.from_environment()
+        if self._supervision is not None:
+            self._engine.step = self._supervision.with_fault_hook(self._model_name, self._engine.step)
         self._max_prompt_bytes = self._engine.max_model_len * MAX_PROMPT_BYTES_PER_TOKEN
         self._metrics = self._create_metrics({"model": args["model_name"], "version": args["model_version"]})
+        if self._metrics is not None and self._supervision is not None:
+            self._metrics.count_restarts(self._supervision.restarts(self._model_name))
         self._dispatcher = ResponseDispatcher(self._send, self._send_error_now)
         self._watcher = CancellationWatcher()
         self._streams: dict[str, _Stream] = {}
@@ -169,7 +179,7 @@ class TritonPythonModel:
             verdict = self._loop.submit_nowait(
                 request_id, parsed.prompt, parsed.params,
                 on_output=lambda output: self._on_output(stream, output),
-                on_error=lambda message, kind: self._end_with_error(stream, message, _ERROR_CODES[kind]),
+                on_error=lambda message, kind: self._on_request_error(stream, message, kind),
                 is_cancelled=is_cancelled,
             )
         except EngineUnavailable as error:
@@ -185,6 +195,11 @@ class TritonPythonModel:
             self._end_with_error(stream, f"model unavailable: {error}", "UNAVAILABLE")
         elif error is not None:
             self._end_with_error(stream, f"internal error: {error}", "INTERNAL")
+
+    def _on_request_error(self, stream: _Stream, message: str, kind: FailureKind) -> None:
+        if self._loop.death is not None and self._supervision is not None:
+            message = f"{message}; the engine is restarting"
+        self._end_with_error(stream, message, _ERROR_CODES[kind])
 
     def _end_with_error(self, stream: _Stream, message: str, code: str) -> None:
         if self._claim_end(stream):
@@ -202,6 +217,8 @@ class TritonPythonModel:
     def _on_engine_death(self, reason: str) -> None:
         """Loop thread, dying: make Triton stop routing here, as vllm_backend's health check does."""
         self._logger.log_error(f"[pagedllm] {reason}; unloading model {self._model_name!r}")
+        if self._supervision is not None:  # the launcher reloads a model that recorded its death
+            self._supervision.record_death(self._model_name, reason)
         try:
             pb_utils.unload_model(self._model_name)  # returns at once; Triton unloads us later
         except Exception as error:  # only allowed with --model-control-mode=explicit

@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT)
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="serve with the engine core in its own process (engine_process in model.json)")
+    parser.add_argument("--soak", type=int, default=None, metavar="N",
+                        help="instead: N requests at concurrency 32, backend stub RSS at the start and the end "
+                             "(see pagedllm.bench.serving_soak)")
     parser.add_argument("--api", choices=("grpc", "openai"), default="grpc",
                         help="openai: also drive /v1/chat/completions through the OpenAI front door at each "
                              "concurrency, same server and requests, and compare its throughput with gRPC's")
@@ -56,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     from pagedllm.serving.server import TritonServer
 
+    if args.soak is not None:
+        from pagedllm.bench.serving_soak import run_soak
+
+        run_soak(args, load_client_module(args.load_client), write_model_repository, MODEL_NAME)
+        return
     report.set_threads(args.threads)
     client = load_client_module(args.load_client)
     levels = [1, 4] if args.tiny else [int(c) for c in args.concurrency.split(",")]

@@ -12,7 +12,8 @@ Liveness: the thread never spins. With no work it sleeps until a submission, an
 abort or ``stop``. With work that cannot move (a step that scheduled nothing: no
 outputs and no change in the engine's progress counters, see ``_progress``) it
 sleeps the same way, waking every ``STALLED_RETRY_S`` only to read cancellation
-flags and retry once. Failures: a request the engine ended alone
+flags and retry once. A request whose ``SamplingParams.timeout`` has passed since
+it arrived is aborted at the next step and ends with ``on_error(..., TIMEOUT)``. Failures: a request the engine ended alone
 (``RequestOutput.error``) fails only that request; a step that raises fails every
 in-flight request and the loop carries on; if the loop itself dies, ``healthy``
 turns False, ``error`` says why, every caller gets ``on_error`` and new
@@ -48,6 +49,7 @@ class FailureKind(enum.Enum):
     REQUEST = "request"  # the engine ended this request alone because it faulted
     ENGINE = "engine"  # a step failed and the fault could not be pinned on one request
     UNAVAILABLE = "unavailable"  # the loop stopped or died
+    TIMEOUT = "timeout"  # the request's sampling_parameters.timeout passed
 
 
 class EngineUnavailable(RuntimeError):
@@ -118,6 +120,7 @@ class _Tracked:
     num_token_steps: int = 0
     finish_reasons: dict[int, str | None] = field(default_factory=dict)
     abort_sent: bool = False
+    timed_out: bool = False
 
 
 @dataclass(slots=True)
@@ -167,6 +170,11 @@ class EngineLoop:
     def healthy(self) -> bool:
         """Started, not stopping, and the thread is alive."""
         return self.error is None
+
+    @property
+    def death(self) -> str | None:
+        """Why the loop thread died, or None while it has not (a stop is not a death)."""
+        return self._death
 
     @property
     def error(self) -> str | None:
@@ -306,8 +314,15 @@ class EngineLoop:
             self.engine.abort_request(request_id)
 
     def _poll_cancellations(self) -> None:
+        now = self._clock()
         for tracked in list(self._in_flight.values()):
-            if tracked.is_cancelled is None or tracked.abort_sent:
+            if tracked.abort_sent:
+                continue
+            if tracked.params.timeout is not None and now - tracked.arrival >= tracked.params.timeout:
+                tracked.timed_out = True
+                self._abort(tracked.request_id)
+                continue
+            if tracked.is_cancelled is None:
                 continue
             try:
                 cancelled = tracked.is_cancelled()
@@ -338,6 +353,9 @@ class EngineLoop:
                 finished.append(self._timing(tracked, now))
             if output.error is not None:
                 self._fail(tracked, output.error, FailureKind.REQUEST, output)
+            elif tracked.timed_out and output.finished:
+                self._fail(tracked, f"request timed out after {tracked.params.timeout:g} s "
+                           "(sampling_parameters.timeout)", FailureKind.TIMEOUT, output)
             else:
                 self._deliver(tracked, output)
         self._publish_stats(finished)

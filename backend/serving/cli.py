@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shutil
 import signal
 import sys
@@ -14,9 +15,12 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from pagedllm.serving.backend_dir import install_backend
+from pagedllm.serving.health import HealthServer
 from pagedllm.serving.engine_args import load_engine_config
 from pagedllm.serving.request_codec import INPUT_SPECS, OUTPUT_SPECS
 from pagedllm.serving.server import TritonServer
+from pagedllm.serving.supervision import DIR_VARIABLE
+from pagedllm.serving.supervisor import DEFAULT_MAX_RELOADS, Supervisor, SupervisorGaveUp
 
 if TYPE_CHECKING:  # the OpenAI server needs the `openai` extra: imported only when asked for
     from pagedllm.serving.openai.http_server import OpenAIServer
@@ -70,21 +74,33 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="with --model: an engine argument for model.json, e.g. dtype=float32 or max_model_len=4096 "
                              "(VALUE is read as JSON when it parses, else as a string); repeatable")
+    parser.add_argument("--max-reloads", type=int, default=DEFAULT_MAX_RELOADS,
+                        help="exit (code 1) after this many failed engine restarts in a row "
+                             "(each restart: a model reload, or a tritonserver restart when a backend stub died)")
+    parser.add_argument("--health-port", type=int, default=None,
+                        help="serve GET /health on this port: 200 once every model generated a token through "
+                             "Triton (a real engine step), else 503 with the reason; for liveness probes")
     parser.add_argument("--openai-port", type=int, default=None,
                         help="also serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions) on this port")
 
 
 def serve_main(args: argparse.Namespace) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="pagedllm-serve-")) if args.model else None
+    # The supervisor's folder (see serving.supervision); a caller may name it (tests inject faults there).
+    named = os.environ.get(DIR_VARIABLE)
+    supervision = Path(named) if named else Path(tempfile.mkdtemp(prefix="pagedllm-supervision-"))
     try:
-        return _serve(args, scratch)
+        return _serve(args, scratch, supervision)
     finally:  # also on Ctrl-C while loading (KeyboardInterrupt)
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+        for folder in (scratch, None if named else supervision):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
-def _serve(args: argparse.Namespace, scratch: Path | None) -> int:
+def _serve(args: argparse.Namespace, scratch: Path | None, supervision: Path) -> int:
     try:
+        if args.max_reloads < 1:
+            raise ValueError(f"--max-reloads must be >= 1, got {args.max_reloads}")
         if not args.model and (args.engine_arg or args.served_model_name):
             raise ValueError("--engine-arg and --served-model-name go with --model")
         repository = generated_repository(args, scratch) if scratch else args.model_repository or bundled_model_repository()
@@ -97,7 +113,9 @@ def _serve(args: argparse.Namespace, scratch: Path | None) -> int:
         return 2
     server = TritonServer(repository, grpc_port=args.grpc_port, http_port=args.http_port,
                           metrics_port=args.metrics_port, host=args.host, log_path="-",
-                          log_verbose=args.log_verbose)
+                          log_verbose=args.log_verbose, env={DIR_VARIABLE: str(supervision)})
+    supervisor = Supervisor(server, supervision, max_reloads=args.max_reloads,
+                            report=lambda line: print(line, file=sys.stderr, flush=True))
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -125,23 +143,39 @@ def _serve(args: argparse.Namespace, scratch: Path | None) -> int:
             raise
         print(f"error: {error}", file=sys.stderr)
         return 1
+    local_http = f"127.0.0.1:{server.http_port}" if args.host in ("0.0.0.0", "::") else server.http_url
+    served = sorted(p.name for p in repository.iterdir() if (p / "config.pbtxt").is_file())
+    health: HealthServer | None = None
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        if args.health_port is not None:
+            try:
+                health = HealthServer(args.host, args.health_port, lambda: local_http, lambda: served).start()
+            except OSError as error:
+                print(f"error: --health-port {args.health_port}: {error}", file=sys.stderr)
+                return 1
         shown = "localhost" if args.host in ("0.0.0.0", "::") else args.host
         print(f"\npagedllm serving {repository}\n"
               f"  gRPC     {shown}:{server.grpc_port}\n"
               f"  HTTP     http://{shown}:{server.http_port}  (POST /v2/models/<model>/generate[_stream])\n"
               f"  metrics  http://{shown}:{server.metrics_port}/metrics\n"
+              + (f"  health   http://{shown}:{health.port}/health  (a one-token generate per model)\n"
+                 if health else "")
               + (f"  OpenAI   http://{shown}:{args.openai_port}/v1  (models: "
                  f"{', '.join(m.name for m in openai_models or ())})\n" if openai_server else "")
               + "Ctrl-C stops the server.", flush=True)
-        while not stop.wait(0.5):
-            if not server.running:
-                print("error: tritonserver exited", file=sys.stderr)
+        supervisor.watch()
+        while not stop.wait(0.25):
+            try:
+                supervisor.check()
+            except SupervisorGaveUp as error:
+                print(f"error: {error}", file=sys.stderr, flush=True)
                 return 1
         print("stopping tritonserver ...", flush=True)
         return 0
     finally:
+        if health is not None:
+            health.stop()
         if openai_server is not None:
             openai_server.stop()
         server.stop()

@@ -1,7 +1,9 @@
 """Engine metrics on Triton's /metrics, under vLLM's names with a ``pagedllm:`` prefix.
 
 Counters: ``prompt_tokens_total``, ``generation_tokens_total``, ``num_preemptions_total``
-(a counter, as in vLLM). Histograms (vLLM's buckets): ``time_to_first_token_seconds``,
+(a counter, as in vLLM), ``engine_restarts_total`` (restarts of this model by
+``pagedllm serve``'s supervisor, which keeps the count across the restarts; see
+``serving.supervision``). Histograms (vLLM's buckets): ``time_to_first_token_seconds``,
 ``time_per_output_token_seconds`` (per finished request: the mean gap between its
 token-producing steps; vLLM observes each gap), ``e2e_request_latency_seconds``.
 Gauges: ``num_requests_running``, ``num_requests_waiting``, ``kv_blocks_used``,
@@ -48,6 +50,7 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("prompt_tokens_total", "Number of prefill tokens processed.", "counter"),
     MetricSpec("generation_tokens_total", "Number of generation tokens processed.", "counter"),
     MetricSpec("num_preemptions_total", "Cumulative number of preemptions (recompute) in the engine.", "counter"),
+    MetricSpec("engine_restarts_total", "Times pagedllm serve restarted this model after its engine died.", "counter"),
     MetricSpec("time_to_first_token_seconds", "Histogram of time to first token in seconds.", "histogram",
                _TTFT_BUCKETS),
     MetricSpec("time_per_output_token_seconds", "Histogram of time per output token in seconds.", "histogram",
@@ -104,6 +107,18 @@ class TritonMetrics:
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="pagedllm-metrics", daemon=True)
         self._thread.start()
+
+    def count_restarts(self, restarts: int) -> None:
+        """Bring the counter up to the supervisor's restart count (once, when a model instance starts).
+
+        Triton hands a reloaded model the series its previous instance published when that
+        instance is still resident (it stays until its last client stream closes), so the
+        counter may already hold earlier restarts: only the difference is added.
+        """
+        counter = self._metrics["engine_restarts_total"]
+        missing = restarts - int(counter.value())
+        if missing > 0:
+            counter.increment(missing)
 
     def record(self, stats: Any, finished: Sequence[RequestTiming]) -> None:
         """Queue a snapshot (cheap; call it from the engine loop's ``on_step``)."""

@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO
@@ -79,6 +80,47 @@ def _wait_until_empty(group: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(not _is_zombie(pid) for pid, _ in _group_members(group)):
         time.sleep(0.05)
+
+
+@dataclass(frozen=True, slots=True)
+class BackendStub:
+    """A Python backend stub process serving one instance of a model."""
+
+    pid: int
+    model: str  # the model's folder name in the repository (its Triton name)
+
+
+def _stub_model(arguments: list[bytes]) -> str | None:
+    """The model a stub serves, from its command line (``<stub> <repo>/<model>/<version>/model.py ...``)."""
+    if len(arguments) < 2 or not arguments[0].endswith(b"triton_python_backend_stub"):
+        return None
+    return Path(arguments[1].decode(errors="replace")).parent.parent.name
+
+
+@dataclass(frozen=True, slots=True)
+class ExitStatus:
+    """How a dead child of another process ended: its waitpid status, None once it was reaped."""
+
+    status: int | None
+
+    @property
+    def abnormal(self) -> bool:
+        return self.status is not None and self.status != 0
+
+    def __str__(self) -> str:
+        if self.status is None:
+            return "exit status unknown"
+        if self.status & 0x7F:
+            return f"killed by signal {self.status & 0x7F} ({signal.Signals(self.status & 0x7F).name})"
+        return f"exited with code {self.status >> 8}"
+
+
+def exit_status(pid: int) -> ExitStatus:
+    """Read from the zombie's ``/proc`` entry while it lasts (field 52, exit_code: Linux >= 3.5)."""
+    try:
+        return ExitStatus(int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[49]))
+    except (OSError, IndexError, ValueError):
+        return ExitStatus(None)
 
 
 def _is_zombie(pid: int) -> bool:
@@ -250,6 +292,27 @@ class TritonServer:
         if self.log_path is None or not self.log_path.exists():
             return "(no server log: the server was stopped and its scratch folder removed)"
         return self.log_path.read_text(errors="replace")[-max_chars:]
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def stubs(self) -> list[BackendStub]:
+        """The live Python backend stubs of this server (a dead one's zombie has no command line: it is left out)."""
+        if self._group is None:
+            return []
+        stubs = []
+        for pid, arguments in _group_members(self._group):
+            model = _stub_model(arguments) if pid != self._group else None
+            if model is not None:
+                stubs.append(BackendStub(pid, model))
+        return stubs
+
+    def restart(self) -> None:
+        """Kill the server and its stubs at once and start it again on the same ports (raises as ``start``)."""
+        self.kill()
+        self.stop(timeout_s=5.0)
+        self.start()
 
     def wait(self) -> int:
         """Block until the server exits (for the CLI); returns its exit code."""

@@ -1,0 +1,158 @@
+"""Keep ``pagedllm serve``'s models serving: notice a dead engine, restart it, give up after repeated failures.
+
+Two ways an engine dies, two ways back (measured on the 2.51 server of the pytriton wheel):
+
+* **The engine loop dies** while its stub lives. The model fails its in-flight
+  streams ("...; the engine is restarting"), records why in the supervision folder
+  (``serving.supervision``) and unloads itself, which turns its readiness false. The
+  supervisor reloads it (``POST /v2/repository/models/<name>/load``); the server and
+  the other models keep running.
+* **The backend stub dies** (``kill -9``, the OOM killer, a crash in native code).
+  Triton keeps the model READY and answers every new request "Stub process ... is
+  not healthy". Its in-flight decoupled streams hang for good: their response
+  factories lived in the dead stub's bookkeeping and Triton never ends them, and the
+  model version they pin can never finish unloading, so a model reload would leave
+  those clients waiting forever and the old version resident. The supervisor
+  therefore restarts tritonserver itself (same ports): readiness is false at once,
+  every client connection ends with an error, and the server comes back with fresh
+  stubs.
+
+Each restart is logged with its cause and counted per model in the supervision
+folder, from which the new instance publishes ``pagedllm:engine_restarts_total``.
+After ``max_reloads`` failed restarts in a row ``check`` raises ``SupervisorGaveUp``
+naming the last failure; one attempt is bounded by ``reload_timeout_s``.
+"""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from pagedllm.serving.server import TritonServer, exit_status
+from pagedllm.serving.supervision import SupervisionFolder
+
+DEFAULT_MAX_RELOADS = 3
+DEFAULT_RELOAD_TIMEOUT_S = 300.0
+
+
+class SupervisorGaveUp(RuntimeError):
+    """Restarting failed ``max_reloads`` times in a row; the message says why."""
+
+
+class Supervisor:
+    """Call ``check()`` every fraction of a second from the launcher's main loop."""
+
+    def __init__(self, server: TritonServer, folder: Path, *, max_reloads: int = DEFAULT_MAX_RELOADS,
+                 reload_timeout_s: float = DEFAULT_RELOAD_TIMEOUT_S,
+                 report: Callable[[str], None] = print) -> None:
+        if max_reloads < 1:
+            raise ValueError(f"max_reloads must be >= 1, got {max_reloads}")
+        self._server = server
+        self._folder = SupervisionFolder(folder)
+        self._max_reloads = max_reloads
+        self._reload_timeout_s = reload_timeout_s
+        self._report = report
+        self._failures = 0  # failed restarts in a row
+        self._stubs: dict[int, str] = {}  # pid -> model, as last seen
+
+    def watch(self, *, ignore: frozenset[int] = frozenset()) -> None:
+        """Start watching (after the server is up): remember its stubs, except ``ignore`` (ones being retired)."""
+        self._stubs = {stub.pid: stub.model for stub in self._server.stubs() if stub.pid not in ignore}
+
+    def check(self) -> None:
+        """One round: restart what died; raises ``SupervisorGaveUp`` after too many failures in a row."""
+        if not self._server.running:
+            self._restart_server(None, "tritonserver is not running (it exited, or did not come back)")
+            return
+        deaths = self._folder.take_deaths()
+        if deaths:
+            for model, reason in deaths.items():
+                self._reload(model, reason)
+            return
+        seen = {stub.pid: stub.model for stub in self._server.stubs()}
+        for pid, model in self._stubs.items():
+            if pid in seen:
+                continue
+            ending = exit_status(pid)
+            # A stub Triton retired exits 0 and is reaped at once (then its status is unknown) while
+            # another serves the model; one that died under a model Triton still lists as ready did not.
+            if (ending.abnormal or model not in seen.values()) and self._model_state(model) == "READY":
+                self._restart_server(model, f"backend stub of model {model!r} (pid {pid}) died: {ending}")
+                return
+        self._stubs = seen
+
+    def _restart_server(self, model: str | None, cause: str) -> None:
+        self._count_restart(model, cause, "restarting tritonserver")
+        try:
+            self._server.restart()
+        except RuntimeError as error:
+            self._failed(f"tritonserver did not come back: {_last_line(str(error))}")
+            return
+        self._succeeded()
+
+    def _reload(self, model: str, cause: str) -> None:
+        # Not waiting for the old instance to go: Triton keeps it until every client stream it
+        # served is closed, and loads the new one beside it meanwhile. Its stub exits whenever
+        # that happens, which is not a death to act on.
+        retiring = frozenset(pid for pid, name in self._stubs.items() if name == model)
+        self._count_restart(model, cause, f"reloading model {model!r}")
+        url = f"http://{self._server.http_url}/v2/repository/models/{model}/load"
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, data=b"{}", method="POST"),
+                                        timeout=self._reload_timeout_s):
+                pass
+        except urllib.error.HTTPError as error:
+            self._failed(f"reloading model {model!r} failed: {_error_text(error)}")
+            self._folder.record_death(model, cause)  # try again next round
+            return
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
+            self._failed(f"reloading model {model!r} failed: {error}")
+            self._folder.record_death(model, cause)
+            return
+        self._succeeded(retiring)
+
+    def _count_restart(self, model: str | None, cause: str, action: str) -> None:
+        models = [model] if model is not None else sorted(set(self._stubs.values()))
+        for name in models:
+            self._folder.set_restarts(name, self._folder.restarts(name) + 1)
+        counts = ", ".join(f"{name}: restart #{self._folder.restarts(name)}" for name in models)
+        self._report(f"pagedllm: {cause}; {action} ({counts or 'no model known'})")
+
+    def _failed(self, reason: str) -> None:
+        self._failures += 1
+        self._report(f"pagedllm: {reason}")
+        if self._failures >= self._max_reloads:
+            raise SupervisorGaveUp(f"gave up after {self._failures} failed restarts in a row; last: {reason}")
+
+    def _succeeded(self, retiring: frozenset[int] = frozenset()) -> None:
+        self._failures = 0
+        self._report("pagedllm: serving again")
+        self.watch(ignore=retiring)
+
+    def _model_state(self, model: str) -> str | None:
+        """The model's state in the repository index (READY, UNLOADING, UNAVAILABLE, ...), None if unknown."""
+        url = f"http://{self._server.http_url}/v2/repository/index"
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, data=b"{}", method="POST"), timeout=5) as answer:
+                index = json.loads(answer.read())
+        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
+            return None
+        states = [entry.get("state") for entry in index if entry.get("name") == model]
+        return states[0] if states else None
+
+
+def _error_text(error: urllib.error.HTTPError) -> str:
+    body = error.read().decode(errors="replace")
+    try:
+        return str(json.loads(body).get("error", body))
+    except (json.JSONDecodeError, AttributeError):
+        return body or str(error)
+
+
+def _last_line(text: str) -> str:
+    """The first line of a server failure and its log's last error line (the full tail was already printed)."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("E")]
+    return " / ".join(dict.fromkeys(lines[:1] + errors[-1:]))
