@@ -9,6 +9,7 @@ that disconnects cancels its Triton request (its KV blocks are freed at the next
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
@@ -36,6 +37,10 @@ def build_app(grpc_url: str, models: Sequence[ServedModel]) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal bridge
         bridge = TritonBridge(grpc_url)  # its gRPC channel belongs to this event loop
+        # The tokenizers and libraries loaded so far are a few hundred thousand long-lived objects;
+        # frozen, the collector stops rescanning them, which otherwise stalls every stream (as vLLM does).
+        gc.collect()
+        gc.freeze()
         yield
         await bridge.close()
 
