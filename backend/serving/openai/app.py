@@ -42,6 +42,7 @@ def build_app(grpc_url: str, models: Sequence[ServedModel]) -> FastAPI:
         gc.collect()
         gc.freeze()
         yield
+        gc.unfreeze()
         await bridge.close()
 
     app = FastAPI(title="pagedllm OpenAI-compatible API", lifespan=lifespan)
