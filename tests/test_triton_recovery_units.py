@@ -1,0 +1,92 @@
+"""The pieces of ``pagedllm serve``'s recovery that need no server: the supervision folder, exit statuses, giving up."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from pagedllm.serving.server import BackendStub, ExitStatus, exit_status
+from pagedllm.serving.supervision import InjectedEngineDeath, SupervisionFolder
+from pagedllm.serving.supervisor import Supervisor, SupervisorGaveUp
+
+
+def test_restart_counts_and_deaths_go_through_the_folder(tmp_path: Path) -> None:
+    folder = SupervisionFolder(tmp_path)
+    assert folder.restarts("llm") == 0
+    folder.set_restarts("llm", 2)
+    assert folder.restarts("llm") == 2 and folder.restarts("other") == 0
+    folder.record_death("llm", "engine loop died: boom")
+    assert folder.take_deaths() == {"llm": "engine loop died: boom"}
+    assert folder.take_deaths() == {}
+
+
+def test_the_environment_names_the_folder_and_switches_fault_injection(tmp_path: Path) -> None:
+    assert SupervisionFolder.from_environment({}) is None
+    plain = SupervisionFolder.from_environment({"PAGEDLLM_SUPERVISOR_DIR": str(tmp_path)})
+    assert plain == SupervisionFolder(tmp_path, fault_injection=False)
+    step = lambda: ["output"]  # noqa: E731
+    assert plain.with_fault_hook("llm", step) is step  # no hook at all in production
+
+
+def test_the_fault_hook_kills_exactly_one_step_when_asked(tmp_path: Path) -> None:
+    folder = SupervisionFolder(tmp_path, fault_injection=True)
+    step = folder.with_fault_hook("llm", lambda: ["output"])
+    assert step() == ["output"]
+    folder.request_engine_death("llm")
+    with pytest.raises(InjectedEngineDeath):
+        step()
+    assert not isinstance(InjectedEngineDeath("x"), Exception)  # escapes the loop's `except Exception`
+    assert step() == ["output"]
+
+
+def test_exit_status_reads_a_zombie_and_says_how_it_ended() -> None:
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while exit_status(child.pid).status is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        status = exit_status(child.pid)  # not reaped yet: still a zombie
+        assert status.abnormal and str(status) == "killed by signal 9 (SIGKILL)"
+    finally:
+        child.wait()
+    assert exit_status(child.pid) == ExitStatus(None) and not ExitStatus(None).abnormal
+    assert str(ExitStatus(0)) == "exited with code 0" and not ExitStatus(0).abnormal
+    assert str(ExitStatus(3 << 8)) == "exited with code 3" and ExitStatus(3 << 8).abnormal
+
+
+class DeadServer:
+    """A server that exited and will not come back."""
+
+    http_url = "127.0.0.1:9"
+    running = False
+
+    def __init__(self) -> None:
+        self.restarts = 0
+
+    def stubs(self) -> list[BackendStub]:
+        return []
+
+    def restart(self) -> None:
+        self.restarts += 1
+        raise RuntimeError("tritonserver exited with code 1\nE1130 model.json: unknown key 'max_num_seqz'")
+
+
+def test_the_supervisor_gives_up_after_max_reloads_failures_in_a_row_naming_the_last(tmp_path: Path) -> None:
+    server = DeadServer()
+    reports: list[str] = []
+    supervisor = Supervisor(server, tmp_path, max_reloads=2, report=reports.append)  # type: ignore[arg-type]
+    supervisor.check()  # the first failure is reported, not fatal
+    with pytest.raises(SupervisorGaveUp, match="gave up after 2 failed restarts in a row.*max_num_seqz"):
+        supervisor.check()
+    assert server.restarts == 2
+    assert any("tritonserver is not running" in line for line in reports)
+
+
+def test_max_reloads_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_reloads"):
+        Supervisor(DeadServer(), tmp_path, max_reloads=0)  # type: ignore[arg-type]
