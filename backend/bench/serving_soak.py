@@ -61,7 +61,8 @@ def run_soak(args: argparse.Namespace, client: Any, write_model_repository: Any,
         def load(count: int, seed: int) -> dict[str, Any]:
             return client.run_load(server.grpc_url, model_name, concurrency=SOAK_CONCURRENCY, num_requests=count,
                                    prompt_words=args.prompt_words, prompt_dist="uniform",
-                                   output_tokens=args.output_tokens, output_dist="uniform", seed=seed).summary()
+                                   output_tokens=args.output_tokens, output_dist="uniform", seed=seed,
+                                   progress=False).summary()
 
         def snapshot(label: str, done: int, errors: int) -> None:
             engine = [rss_mib(pid) or 0.0 for pid in _children(stub)]
