@@ -13,8 +13,8 @@ abort or ``stop``. With work that cannot move (a step that scheduled nothing: no
 outputs and no change in the engine's progress counters, see ``_progress``) it
 sleeps the same way, waking every ``STALLED_RETRY_S`` only to read cancellation
 flags and retry once. A request whose ``SamplingParams.timeout`` has passed since
-it arrived is aborted at the next step and ends with ``on_error(..., TIMEOUT)``. Failures: a request the engine ended alone
-(``RequestOutput.error``) fails only that request; a step that raises fails every
+it arrived is aborted at the next step and ends with ``on_error(..., TIMEOUT)``.
+Failures: a request the engine ended alone (``RequestOutput.error``) fails only that request; a step that raises fails every
 in-flight request and the loop carries on; if the loop itself dies, ``healthy``
 turns False, ``error`` says why, every caller gets ``on_error`` and new
 submissions raise ``EngineUnavailable``.
