@@ -13,7 +13,7 @@ reference runs with ``num_return_sequences=beam_width``: ``n`` only picks how ma
 of the same sorted hypotheses come back.
 
 Three engine set-ups: prefix caching on, with groups admitted a few at a time
-(max_num_seqs=8) so later ones hit the shared prefix; a KV pool of 28 blocks,
+(max_num_seqs=8) so later ones hit the shared prefix; a KV pool of 24 blocks,
 far less than the 8 groups want at once, with a 24-token step budget (chunked
 prefill; beam groups preempted and recomputed), with prefix caching off and on.
 """
@@ -36,7 +36,7 @@ NEW_TOKENS = 32
 SCORE_TOLERANCE = 1e-4
 COMBOS = tuple((k, n, lp, es) for k in (2, 4) for n in (1, k) for lp in (1.0, 0.5) for es in (False, True))
 FULL_MATRIX = os.environ.get("PAGEDLLM_FULL_BEAM_MATRIX") == "1"
-TIGHT = {"num_kv_blocks": 28, "max_num_batched_tokens": 24}
+TIGHT = {"num_kv_blocks": 24, "max_num_batched_tokens": 24}
 SETUPS = {
     "prefix-caching": {"enable_prefix_caching": True, "max_num_seqs": 8},
     "tight-kv": {**TIGHT, "enable_prefix_caching": False},

@@ -176,15 +176,24 @@ def test_forks_of_two_requests_in_chunked_prefill_stay_within_max_num_seqs() -> 
 
 
 def test_a_preempted_beam_group_waits_whole_and_resumes_whole() -> None:
-    """Two width-3 groups whose beams all survive, in a pool that holds one group at full length (as the
-    engine requires): the newer is preempted as a unit, requeued side by side, and both finish with every
-    block back."""
-    harness = Harness(num_blocks=21, budget=64, max_seqs=8, prefix_caching=False)
+    """Two width-3 groups whose beams all survive, in a pool that holds one group at full length only with
+    its prompt shared (the engine's admission rule): the newer is preempted as a unit, requeued side by side,
+    and recomputed with its beams sharing the prompt's full blocks again; both finish with every block back."""
+    prompt_blocks, longest_blocks = 13 // BLOCK_SIZE, -(-(13 + 12) // BLOCK_SIZE)
+    harness = Harness(num_blocks=prompt_blocks + 3 * (longest_blocks - prompt_blocks), budget=64, max_seqs=8,
+                      prefix_caching=False)
     harness.add_beams(list(range(1, 14)), max_tokens=12, width=3, n=2)
     harness.add_beams(list(range(20, 33)), max_tokens=12, width=3, n=2)
-    while harness.engine.scheduler.has_work():
+    for _ in range(200):
+        if not harness.engine.scheduler.has_work():
+            break
         harness.engine.step()  # stand-in candidates: every beam extends itself
         harness.check()
+        for request in harness.requests:
+            tables = [beam.block_ids for beam in request.beams if beam.block_ids]
+            if len(tables) == 3 and all(len(table) > prompt_blocks for table in tables):
+                assert all(table[:prompt_blocks] == tables[0][:prompt_blocks] for table in tables)
+    assert not harness.engine.scheduler.has_work(), "a recomputed group did not fit again"
     assert harness.engine.scheduler.num_preemptions > 0
     assert harness.engine.kv.num_free_blocks == harness.engine.kv.num_blocks
     for request in harness.requests:

@@ -133,12 +133,14 @@ class KVCacheManager:
         write_index = seq.num_computed_tokens // self.block_size
         return write_index >= len(held) or self.blocks[held[write_index]].ref_count == 1
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Let ``child`` share every block of ``parent``; writes will copy on demand."""
-        child.block_ids = list(parent.block_ids)
-        child.block_hashes = list(parent.block_hashes)
-        child.num_computed_tokens = parent.num_computed_tokens
-        for block_id in parent.block_ids:
+    def fork(self, parent: Sequence, child: Sequence, num_blocks: int | None = None) -> None:
+        """Let ``child`` share every block of ``parent`` (or only its first ``num_blocks`` full, computed
+        ones); writes will copy on demand."""
+        shared = parent.block_ids if num_blocks is None else parent.block_ids[:num_blocks]
+        child.block_ids = list(shared)
+        child.block_hashes = parent.block_hashes[: len(shared)]
+        child.num_computed_tokens = parent.num_computed_tokens if num_blocks is None else len(shared) * self.block_size
+        for block_id in shared:
             self.blocks[block_id].ref_count += 1
 
     def free(self, seq: Sequence) -> None:

@@ -16,7 +16,9 @@ Beam search: the live beams of a request are one unit. They sit side by side in
 ``running`` (and in ``waiting`` once preempted), are admitted only all together,
 compute their last tokens in the same step (chunked prefill stops each beam
 short of its last token until all of them can reach it), and are preempted
-together. ``update_from_output`` takes the step's best candidates per group,
+together; after a preemption the other beams wait for the best one to recompute
+their common prefix and share its full blocks, so a recomputed group holds no
+more than it did. ``update_from_output`` takes the step's best candidates per group,
 lets ``BeamSearch`` pick the survivors, forks them from their parents (block
 tables shared, the partial last block copied on write at the next allocate)
 and frees the beams no survivor extends at once.
@@ -286,8 +288,10 @@ class Scheduler:
     def _schedule_beams(self, index: int, budget: int, scheduled: list[ScheduledSequence],
                         preempted: list[Sequence]) -> tuple[int, int]:
         """Schedule the beam group at ``running[index]`` as one unit; returns (tokens used, places to advance)."""
-        group = self.running[index : index + len(self.running[index].request.beams)]
-        chunks = _beam_chunks([beam.num_tokens - beam.num_computed_tokens for beam in group], budget)
+        request = self.running[index].request
+        group = self.running[index : index + len(request.beams)]
+        ready = [self._join_leader(request, beam) for beam in group]
+        chunks = _beam_chunks([beam.num_tokens - beam.num_computed_tokens for beam in group], ready, budget)
         if not any(chunks):
             return 0, len(group)
         # A beam whose blocks were allocated before a retry needs nothing more: allocate is idempotent.
@@ -307,8 +311,10 @@ class Scheduler:
             return None
         matches = [self.kv.match_prefix(beam) if beam.num_computed_tokens == 0 else NO_MATCH for beam in group]
         cached = [len(match.blocks) * self.kv.block_size for match in matches]
+        # Nothing of the group is computed yet: a beam the cache does not serve waits for the leader.
+        ready = [bool(match.blocks) or self._join_leader(request, beam) for beam, match in zip(group, matches)]
         chunks = _beam_chunks(
-            [beam.num_tokens - beam.num_computed_tokens - n for beam, n in zip(group, cached)], budget)
+            [beam.num_tokens - beam.num_computed_tokens - n for beam, n in zip(group, cached)], ready, budget)
         if not any(chunks):
             return None
         # Counting every matched block as if it had to be taken from the free pool keeps this all or nothing.
@@ -328,6 +334,24 @@ class Scheduler:
         self._reserved_forks += forks
         scheduled.extend(ScheduledSequence(beam, n) for beam, n in zip(group, chunks) if n)
         return sum(chunks)
+
+    def _join_leader(self, request: Request, beam: Sequence) -> bool:
+        """After a preemption, ``beam`` (holding no blocks) shares the full blocks its group's best beam
+        has computed for their common prefix instead of computing them again. False while the leader
+        has not computed that far: ``beam`` waits, so a group never needs more blocks than before."""
+        leader = request.beams[0]
+        if beam is leader or beam.block_ids or beam.num_computed_tokens:
+            return True
+        bs = self.kv.block_size
+        common = 0
+        # The beam's last token is never shared: its logits are needed.
+        while (common + 1) * bs <= beam.num_tokens - 1 and \
+                beam.token_ids[common * bs : (common + 1) * bs] == leader.token_ids[common * bs : (common + 1) * bs]:
+            common += 1
+        if leader.num_computed_tokens < common * bs:
+            return False
+        self.kv.fork(leader, beam, common)
+        return True
 
     def _step_beams(self, batch: BeamBatch, candidates: Seq[BeamCandidate],
                     places: dict[Sequence, tuple[Sequence, ...]]) -> list[Sequence]:
@@ -401,17 +425,17 @@ class Scheduler:
         self.num_preemptions += 1
 
 
-def _beam_chunks(remaining: list[int], budget: int) -> list[int]:
+def _beam_chunks(remaining: list[int], ready: list[bool], budget: int) -> list[int]:
     """Tokens for each beam of a group this step, given what each has left to compute.
 
     The beams sample together: either all of them reach their last token this step,
-    or each computes a chunk that stops short of it.
+    or each computes a chunk that stops short of it (a beam not ready computes nothing).
     """
-    if sum(remaining) <= budget:
+    if all(ready) and sum(remaining) <= budget:
         return remaining
     chunks = []
-    for left in remaining:
-        chunk = max(0, min(left - 1, budget))
+    for left, may_compute in zip(remaining, ready):
+        chunk = max(0, min(left - 1, budget)) if may_compute else 0
         chunks.append(chunk)
         budget -= chunk
     return chunks

@@ -344,17 +344,15 @@ class LLMEngine:
         if bad:
             raise ValueError(f"stop_token_ids contains ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         longest = len(prompt_ids) + (params.max_tokens if params.max_tokens is not None else room)
-        # Worst case: the samples share the prompt's full blocks and each holds the rest on its own.
+        # Worst case: the samples (or beams, recomputed after a preemption too) share the prompt's full
+        # blocks and each holds the rest on its own.
         shared = len(prompt_ids) // self.kv.block_size
-        needed = shared + params.n * (self.kv.blocks_needed(longest) - shared)
-        if params.use_beam_search:
-            # A preempted beam group recomputes each beam on its own, so it must fit without sharing.
-            needed = params.beam_width * self.kv.blocks_needed(longest)
+        fan_out = params.beam_width if params.use_beam_search else params.n
+        needed = shared + fan_out * (self.kv.blocks_needed(longest) - shared)
         if needed > self.kv.num_blocks:
             field = "beam_width" if params.use_beam_search else "max_tokens" if params.n == 1 else "n"
-            count = params.beam_width if params.use_beam_search else params.n
             raise ValueError(
-                f"{field}: request can never fit in the KV cache: {count} sequence(s) of up to {longest} tokens "
+                f"{field}: request can never fit in the KV cache: {fan_out} sequence(s) of up to {longest} tokens "
                 f"need {needed} blocks of {self.kv.block_size}, the cache has {self.kv.num_blocks} "
                 "(lower max_tokens or n, or raise num_kv_blocks)"
             )
