@@ -88,7 +88,7 @@ class Supervisor:
         try:
             self._server.restart()
         except RuntimeError as error:
-            self._failed(f"tritonserver did not come back: {_last_line(str(error))}")
+            self._failed(f"tritonserver did not come back: {_summary(str(error))}")
             return
         self._succeeded()
 
@@ -151,7 +151,7 @@ def _error_text(error: urllib.error.HTTPError) -> str:
         return body or str(error)
 
 
-def _last_line(text: str) -> str:
+def _summary(text: str) -> str:
     """The first line of a server failure and its log's last error line (the full tail was already printed)."""
     lines = [line for line in text.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("E")]
