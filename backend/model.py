@@ -218,7 +218,10 @@ class TritonPythonModel:
         """Loop thread, dying: make Triton stop routing here, as vllm_backend's health check does."""
         self._logger.log_error(f"[pagedllm] {reason}; unloading model {self._model_name!r}")
         if self._supervision is not None:  # the launcher reloads a model that recorded its death
-            self._supervision.record_death(self._model_name, reason)
+            try:
+                self._supervision.record_death(self._model_name, reason)
+            except OSError as error:
+                self._logger.log_error(f"[pagedllm] could not tell pagedllm serve to reload the model: {error}")
         try:
             pb_utils.unload_model(self._model_name)  # returns at once; Triton unloads us later
         except Exception as error:  # only allowed with --model-control-mode=explicit
