@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api", choices=("grpc", "openai"), default="grpc",
                         help="openai: also drive /v1/chat/completions through the OpenAI front door at each "
                              "concurrency, same server and requests, and compare its throughput with gRPC's")
+    parser.add_argument("--openai-rounds", type=int, default=2,
+                        help="with --api openai: alternating gRPC/OpenAI load pairs per concurrency")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -88,7 +90,8 @@ def run(args: argparse.Namespace) -> None:
                 continue
             rows.append(_measure(client, server.grpc_url, engine_args, level, count, words, tokens, args.seed + level))
             if door is not None and "failure" not in rows[-1]:
-                rows[-1].update(_measure_openai(door.base_url, rows[-1], level, count, words, tokens, args.seed + level))
+                rows[-1].update(_measure_openai(client, server.grpc_url, door.base_url, level, count, words, tokens,
+                                                args.seed + level, args.openai_rounds))
             if "failure" in rows[-1]:
                 log_tail = server.log_tail(6000)
     print(f"## tiny model, prompts ~{words} words, max_tokens ~{tokens} (uniform ±50%, ignore_eos), greedy\n")
@@ -144,29 +147,49 @@ def _front_door(api: str, grpc_url: str, model_dir: Path) -> AbstractContextMana
     return OpenAIFrontDoor(grpc_url, MODEL_NAME, model_dir) if api == "openai" else nullcontext(None)
 
 
-def _measure_openai(base_url: str, grpc_row: dict[str, Any], level: int, count: int, words: int, tokens: int,
-                    seed: int) -> dict[str, Any]:
-    """The same requests as the gRPC load, as streamed chat completions through the OpenAI front door."""
-    client = load_client_module(OPENAI_LOAD_CLIENT, "pagedllm_openai_load_client")
-    summary = client.run_load(base_url, MODEL_NAME, concurrency=level, num_requests=count, prompt_words=words,
-                              prompt_dist="uniform", output_tokens=tokens, output_dist="uniform", seed=seed).summary()
-    result = {"openai_" + key: summary[key] for key in ("errors", "output_tokens", "output_tokens_per_s", "ttft_s",
-                                                         "itl_s")}
-    if summary["errors"]:
-        return {**result, "openai_failure": f"{summary['errors']} of {count} chat requests failed"}
-    if summary["output_tokens"] != grpc_row["output_tokens"]:
-        return {**result, "openai_failure": f"{summary['output_tokens']} tokens vs gRPC's {grpc_row['output_tokens']}"}
-    return {**result, "openai_over_grpc": summary["output_tokens_per_s"] / grpc_row["output_tokens_per_s"]}
+def _measure_openai(grpc_client: ModuleType, grpc_url: str, base_url: str, level: int, count: int, words: int,
+                    tokens: int, seed: int, rounds: int) -> dict[str, Any]:
+    """Both doors under the same load, in alternating order (gRPC first, then OpenAI first, ...) so that
+    drift on a shared machine weighs on both alike. Each round draws fresh requests (its own seed), the
+    same for both doors; the chat template's leading newline keeps either from reusing the other's
+    prefix-cache blocks."""
+    chat_client = load_client_module(OPENAI_LOAD_CLIENT, "pagedllm_openai_load_client")
+    doors = {"gRPC": (grpc_client, grpc_url), "OpenAI": (chat_client, base_url)}
+    reports: dict[str, list[Any]] = {"gRPC": [], "OpenAI": []}
+    for round_index in range(rounds):
+        order = ("gRPC", "OpenAI") if round_index % 2 == 0 else ("OpenAI", "gRPC")
+        for door in order:
+            client, url = doors[door]
+            reports[door].append(client.run_load(
+                url, MODEL_NAME, concurrency=level, num_requests=count, prompt_words=words, prompt_dist="uniform",
+                output_tokens=tokens, output_dist="uniform", seed=seed + 1000 * (round_index + 1)))
+    summaries = {door: client.LoadReport(level, tuple(r for report in reports[door] for r in report.records),
+                                         sum(report.wall_s for report in reports[door])).summary()
+                 for door, (client, _) in doors.items()}
+    chat, grpc = summaries["OpenAI"], summaries["gRPC"]
+    result = {"openai_rounds": rounds, "openai_errors": chat["errors"], "openai_grpc_errors": grpc["errors"],
+              "openai_output_tokens_per_s": chat["output_tokens_per_s"], "openai_ttft_s": chat["ttft_s"],
+              "openai_grpc_output_tokens_per_s": grpc["output_tokens_per_s"],
+              "openai_round_ratios": [a.summary()["output_tokens_per_s"] / b.summary()["output_tokens_per_s"]
+                                      for a, b in zip(reports["OpenAI"], reports["gRPC"])]}
+    if chat["errors"] or grpc["errors"]:
+        return {**result, "openai_failure": f"{chat['errors']} chat and {grpc['errors']} gRPC requests failed"}
+    if chat["output_tokens"] != grpc["output_tokens"]:
+        return {**result, "openai_failure": f"{chat['output_tokens']} tokens vs gRPC's {grpc['output_tokens']}"}
+    return {**result, "openai_over_grpc": chat["output_tokens_per_s"] / grpc["output_tokens_per_s"]}
 
 
 def _print_openai_table(rows: list[dict[str, Any]]) -> None:
-    print("\n## OpenAI front door (/v1/chat/completions, SSE) vs gRPC streams, same server and requests\n")
+    print("\n## OpenAI front door (/v1/chat/completions, SSE) vs gRPC streams, same server, same requests, "
+          "alternating rounds\n")
     print(report.markdown_table(
-        ("concurrency", "requests", "chat errors", "gRPC tok/s", "OpenAI tok/s", "OpenAI / gRPC",
-         "OpenAI TTFT p50/p90/p99 ms"),
-        [[r["concurrency"], r["requests"], r.get("openai_errors", "–"), r.get("output_tokens_per_s", "–"),
+        ("concurrency", "requests x rounds", "errors", "gRPC tok/s", "OpenAI tok/s", "OpenAI / gRPC",
+         "per round", "OpenAI TTFT p50/p90/p99 ms"),
+        [[r["concurrency"], f"{r['requests']} x {r.get('openai_rounds', '–')}",
+          r.get("openai_errors", 0) + r.get("openai_grpc_errors", 0), r.get("openai_grpc_output_tokens_per_s", "–"),
           r.get("openai_output_tokens_per_s", "–"),
           f"{100 * r['openai_over_grpc']:.0f}%" if "openai_over_grpc" in r else r.get("openai_failure", "–"),
+          " ".join(f"{100 * x:.0f}%" for x in r.get("openai_round_ratios", ())),
           _ms(r["openai_ttft_s"]) if "openai_ttft_s" in r else "–"] for r in rows]))
 
 
