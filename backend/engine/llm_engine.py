@@ -24,8 +24,8 @@ from pagedllm.models import CausalLM, load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.attention_backend import select_attention_backend
 from pagedllm.worker.beam_sampler import beam_candidates
-from pagedllm.worker.model_runner import ModelRunner
-from pagedllm.worker.sampler import Sampler, SamplingRow, make_generator
+from pagedllm.worker.model_runner import BatchLimits, ModelRunner
+from pagedllm.worker.sampler import PenaltyState, Sampler, SamplingRow, make_generator, needs_penalties
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,9 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(model_dir, self.tokenizer)
         num_blocks = self._num_kv_blocks()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, attention, num_blocks, config.block_size, self.dtype, self.device)
+        limits = BatchLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.runner = ModelRunner(self.model, attention, num_blocks, config.block_size, self.dtype, self.device,
+                                  limits)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens,
             StopPolicy(self.max_model_len, self.eos_token_ids), static_batching=config.scheduling == "static",
@@ -88,6 +90,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._requests: dict[str, Request] = {}
         self._generators: dict[int, torch.Generator | None] = {}
+        self._penalties: dict[int, PenaltyState] = {}
         self._pending_aborts: set[str] = set()
         self._peak_tokens_held = 0
         self._prompt_tokens_total = 0
@@ -161,17 +164,7 @@ class LLMEngine:
                 self._fail(seq.request, errors[seq.request.request_id])
         self.scheduler.update_from_output(out, [0 if token is None else token.token_id for token in tokens],
                                           candidates)
-        for seq, token in zip(out.samples, tokens):
-            if token is None or seq.request.request_id in errors:
-                continue
-            try:
-                delta = self._emit(seq, token)
-            except Exception as error:  # a detokenizer or stop-string fault is this request's alone
-                log.exception("output processing failed for request %s", seq.request.request_id)
-                errors[seq.request.request_id] = f"output processing failed: {error}"
-                self._fail(seq.request, errors[seq.request.request_id])
-                continue
-            deltas.setdefault(seq.request.request_id, []).append(delta)
+        self._emit_all(out.samples, tokens, deltas, errors)
         for batch in out.beams:
             self._generation_tokens_total += len(batch.beams)
             search = _beam_search_of(batch.request)
@@ -199,6 +192,21 @@ class LLMEngine:
             for index, hyp in enumerate(search.best(request.params.n))
         ]
 
+    def _emit_all(self, samples: Seq[Sequence], tokens: Seq[NewToken | None],
+                  deltas: dict[str, list[CompletionDelta]], errors: dict[str, str]) -> None:
+        """Output processing of a step: each sample's text delta, stop strings."""
+        for seq, token in zip(samples, tokens):
+            if token is None or seq.request.request_id in errors:
+                continue
+            try:
+                delta = self._emit(seq, token)
+            except Exception as error:  # a detokenizer or stop-string fault is this request's alone
+                log.exception("output processing failed for request %s", seq.request.request_id)
+                errors[seq.request.request_id] = f"output processing failed: {error}"
+                self._fail(seq.request, errors[seq.request.request_id])
+                continue
+            deltas.setdefault(seq.request.request_id, []).append(delta)
+
     def _sample(self, logits: torch.Tensor, samples: Seq[Sequence], errors: dict[str, str]) -> list[NewToken | None]:
         """One token per sample; a row whose parameters make the sampler fail gets None (and an error)."""
         rows = [self._sampling_row(seq) for seq in samples]
@@ -221,6 +229,9 @@ class LLMEngine:
             self._prompt_tokens_total += seq.num_prompt_tokens
         self._generation_tokens_total += 1
         seq.cumulative_logprob += token.logprob
+        penalties = self._penalties.get(seq.seq_id)
+        if penalties is not None:
+            penalties.append(token.token_id)
         processed = self.outputs.process(seq, token)
         if processed.hit_stop_string:
             if seq.is_finished:
@@ -229,6 +240,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, "stop")
         if seq.is_finished:
             self._generators.pop(seq.seq_id, None)
+            self._penalties.pop(seq.seq_id, None)
         return processed.delta
 
     def _fail(self, request: Request, message: str) -> None:
@@ -240,6 +252,7 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> str:
         self._generators.pop(seq.seq_id, None)
+        self._penalties.pop(seq.seq_id, None)
         return self.outputs.close(seq)
 
     def _apply_aborts(self, deltas: dict[str, list[CompletionDelta]]) -> None:
@@ -274,7 +287,10 @@ class LLMEngine:
         return RequestOutput(request_id, request.prompt, request.prompt_token_ids, tuple(items), finished, error)
 
     def _track_sequence(self, seq: Sequence) -> None:
-        self._generators[seq.seq_id] = make_generator(seq.request.params.seed, seq.index, self.device)
+        params = seq.request.params
+        self._generators[seq.seq_id] = make_generator(params.seed, seq.index, self.device)
+        if needs_penalties(params):
+            self._penalties[seq.seq_id] = PenaltyState(seq.prompt_token_ids, seq.output_token_ids)
         self.outputs.add(seq)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
@@ -283,8 +299,7 @@ class LLMEngine:
         if seq.num_output_tokens < params.min_tokens:
             eos = () if params.ignore_eos else tuple(self.eos_token_ids)
             suppressed = (*eos, *params.stop_token_ids)
-        return SamplingRow(params, self._generators.get(seq.seq_id), seq.prompt_token_ids, seq.output_token_ids,
-                           suppressed)
+        return SamplingRow(params, self._generators.get(seq.seq_id), self._penalties.get(seq.seq_id), suppressed)
 
     def _track_usage(self, out: SchedulerOutput) -> None:
         if self.kv.num_used_blocks < self.kv.peak_blocks_used:
