@@ -336,6 +336,22 @@ def test_a_dead_loop_fails_its_requests_reports_why_and_refuses_new_ones() -> No
     assert loop.stop(timeout_s=1)
 
 
+def test_a_request_whose_admission_kills_the_loop_gets_its_answer() -> None:
+    class Fault(BaseException):
+        pass
+
+    class FatalEngine(FakeEngine):
+        def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+            if prompt == "fatal":
+                raise Fault("admission blew up")
+            super().add_request(request_id, prompt, params)
+
+    loop = EngineLoop(FatalEngine()).start()
+    with pytest.raises(EngineUnavailable, match="admission blew up"):
+        loop.submit("x", "fatal", SamplingParams(max_tokens=2), Collector().on_output)
+    assert not loop.healthy
+
+
 def test_stop_is_bounded_when_a_step_hangs() -> None:
     release = threading.Event()
 

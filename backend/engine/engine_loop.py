@@ -153,6 +153,7 @@ class EngineLoop:
         self._death: str | None = None  # why the thread died, once it has
         self._thread: threading.Thread | None = None
         self._in_flight: dict[str, _Tracked] = {}  # loop thread only
+        self._admitting: list[_Submission] = []  # loop thread only: the batch being admitted
         self._progress: tuple[object, ...] | None = None  # loop thread only
 
     def start(self) -> EngineLoop:
@@ -246,8 +247,8 @@ class EngineLoop:
             log.exception("engine loop died")
             with self._wakeup:
                 self._death = f"engine loop died: {type(error).__name__}: {error}"
-                pending, self._submissions = self._submissions, []
-            self._abandon(pending, self._death)
+                pending, self._submissions = self._admitting + self._submissions, []
+            self._abandon([s for s in pending if not s.verdict.done()], self._death)
             if self._on_death is not None:
                 try:
                     self._on_death(self._death)
@@ -275,9 +276,10 @@ class EngineLoop:
                         self._wakeup.wait()
                 if self._stopping:
                     return
-                submissions, self._submissions = self._submissions, []
+                self._admitting, self._submissions = self._submissions, []
                 aborts, self._aborts = self._aborts, []
-            self._admit(submissions)
+            self._admit(self._admitting)
+            self._admitting = []
             for request_id in aborts:
                 self._abort(request_id)
             self._poll_cancellations()
