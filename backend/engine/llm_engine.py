@@ -68,7 +68,8 @@ class LLMEngine:
             raise ValueError(f"model={str(model_dir)!r} is not a Hugging Face checkpoint directory (no config.json)")
         self.device = config.torch_device()
         torch.manual_seed(config.seed)
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            resolve_model_dir(config.tokenizer, config.revision, field="tokenizer") if config.tokenizer else model_dir)
         attention = select_attention_backend(
             self.device, {"auto": None, "triton": True, "torch": False}[config.attention_backend]
         )
