@@ -10,7 +10,7 @@ from pagedllm.bench.null_engine import NullEngine
 from pagedllm.bench.workloads import KINDS, make_workload
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.planning.calibrate import calibrate, random_checkpoint
+from pagedllm.planning.calibrate import Batch, calibrate, random_checkpoint
 from pagedllm.planning.gpu_catalog import this_cpu
 from pagedllm.planning.kv_math import Deployment, capacity
 from pagedllm.planning.model_catalog import ModelSpec, resolve_model
@@ -86,7 +86,8 @@ def test_fit_recovers_the_coefficients_that_made_the_timings() -> None:
 
 
 def test_calibration_times_the_engine_in_lockstep_with_its_replay(tiny_model_dir: Callable[[str], Path]) -> None:
-    calibration = calibrate(tiny_model_dir("llama"), dtype="float32", shapes=((2, 8, 3), (4, 16, 2)), repeats=1)
+    batches = (Batch(2, (8, 8), (3, 3)), Batch(4, (16, 16), (2, 2)))
+    calibration = calibrate(tiny_model_dir("llama"), dtype="float32", batches=batches, repeats=1)
     # (2 x 8 prompt tokens in one step, then 2 decodes) + (4 x 16 in one step, then 1 decode)
     assert [s.shape.num_tokens for s in calibration.steps] == [16, 2, 2, 64, 4]
     assert all(s.seconds > 0 and calibration.fitted(s) > 0 for s in calibration.steps)
@@ -98,7 +99,8 @@ def test_catalog_models_are_timed_as_random_checkpoints_of_their_shape(tmp_path:
     model_dir = random_checkpoint(spec, tmp_path / "mini", num_layers=2)
     timed = resolve_model(str(model_dir))
     assert (timed.hidden_size, timed.num_layers, timed.num_kv_heads, timed.head_dim) == (64, 2, 2, 32)
-    calibration = calibrate(model_dir, dtype="float32", shapes=((2, 8, 2), (1, 4, 2)), repeats=1)
+    batches = (Batch(2, (8, 8), (2, 2)), Batch(1, (4, 4), (2, 2)))
+    calibration = calibrate(model_dir, dtype="float32", batches=batches, repeats=1)
     assert [s.shape.num_seqs for s in calibration.steps] == [2, 2, 1, 1]
 
 

@@ -1,4 +1,4 @@
-"""Fit the step-time model on this machine by timing real engine steps at a few shapes.
+"""Fit the step-time model on this machine by timing real engine steps on a few batches of requests.
 
 The real ``LLMEngine`` and a ``NullEngine`` with the same KV blocks and limits
 take the same requests in lockstep: the null engine's ``SchedulerOutput``
@@ -31,21 +31,39 @@ from pagedllm.planning.model_catalog import ModelSpec, spec_from_config
 from pagedllm.planning.step_time import ModelCost, StepShape, StepTimeModel, fit
 from pagedllm.sampling_params import SamplingParams
 
-# (sequences, prompt tokens, output tokens): decodes at 1-32 rows and short/long contexts, and full prefill chunks.
-SHAPES: tuple[tuple[int, int, int], ...] = ((1, 16, 16), (8, 64, 12), (32, 32, 12), (32, 256, 6), (4, 512, 3))
-WARM_UP = (2, 8, 4)  # first-call allocations and lazy initialisation, not timed
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Requests submitted together, their lengths drawn uniformly from the ranges.
+
+    Mixed lengths make the steps serving makes: prefill chunks beside decodes,
+    decode batches of unequal contexts (which the CPU attention splits into
+    groups), rows finishing one by one. Uniform batches time faster than that.
+    """
+
+    requests: int
+    prompt_len: tuple[int, int]
+    output_len: tuple[int, int]
+
+
+# Decodes at 1-32 rows with contexts up to ~530 tokens, and full 2048-token prefill chunks.
+BATCHES = (Batch(1, (16, 16), (16, 16)), Batch(8, (16, 128), (8, 16)), Batch(32, (16, 512), (4, 16)),
+           Batch(4, (512, 512), (3, 3)))
+WARM_UP = Batch(2, (8, 8), (4, 4))  # first-call allocations and lazy initialisation, not timed
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 @dataclass(frozen=True, slots=True)
 class TimedStep:
     shape: StepShape
-    seconds: float
+    seconds: float  # wall clock
+    cpu_seconds: float  # this process's CPU time: what the step costs whatever else the machine runs
 
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
-    model: StepTimeModel
+    model: StepTimeModel  # fitted to wall-clock times: what plans use
+    cpu_model: StepTimeModel  # fitted to CPU times: separates the model's error from a shared machine's load
     cost: ModelCost  # of the checkpoint that was timed
     steps: tuple[TimedStep, ...]
 
@@ -55,47 +73,52 @@ class Calibration:
 
 def calibrate(model_dir: Path, device: str = "cpu", dtype: str = "auto", block_size: int = 16,
               max_num_batched_tokens: int = 2048, repeats: int = 2,
-              shapes: Seq[tuple[int, int, int]] = SHAPES) -> Calibration:
-    """Time ``model_dir``'s engine steps at ``shapes`` and fit the step-time model to them."""
+              batches: Seq[Batch] = BATCHES) -> Calibration:
+    """Time ``model_dir``'s engine steps on ``batches`` and fit the step-time model to them."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} is invalid: expected >= 1")
-    runs = (WARM_UP, *shapes)
-    longest = max(p + o for _, p, o in runs)
-    num_blocks = max(b for b, _, _ in runs) * -(-longest // block_size) + 1
+    runs = (WARM_UP, *batches)
+    longest = max(b.prompt_len[1] + b.output_len[1] for b in runs)
+    widest = max(b.requests for b in runs)
+    num_blocks = widest * -(-longest // block_size) + 1
     config = EngineConfig(model=str(model_dir), dtype=dtype, device=device, block_size=block_size,
-                          num_kv_blocks=num_blocks, max_num_seqs=max(b for b, _, _ in runs),
+                          num_kv_blocks=num_blocks, max_num_seqs=widest,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=longest)
     engine = LLMEngine(config)
     null = NullEngine(num_blocks, block_size, config.max_num_seqs, max_num_batched_tokens)
     generator = torch.Generator().manual_seed(0)
     vocab = engine.model.vocab_size
 
-    def run(batch: int, prompt: int, output: int) -> list[TimedStep]:
-        for _ in range(batch):
-            ids = torch.randint(1, vocab, (prompt,), generator=generator).tolist()
-            params = SamplingParams(max_tokens=output, temperature=0.0, ignore_eos=True)
+    def draw(bounds: tuple[int, int]) -> int:
+        return int(torch.randint(bounds[0], bounds[1] + 1, (), generator=generator))
+
+    def run(batch: Batch) -> list[TimedStep]:
+        for _ in range(batch.requests):
+            ids = torch.randint(1, vocab, (draw(batch.prompt_len),), generator=generator).tolist()
+            params = SamplingParams(max_tokens=draw(batch.output_len), temperature=0.0, ignore_eos=True)
             engine.add_request(f"calibrate-{time.monotonic_ns()}", ids, params)
             null.add_request(ids, params)
         timed = []
         while null.has_unfinished_requests():
             shape = StepShape.of(null.step())
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             engine.step()
-            timed.append(TimedStep(shape, time.perf_counter() - start))
+            timed.append(TimedStep(shape, time.perf_counter() - start, time.process_time() - cpu_start))
         if engine.has_unfinished_requests():
             raise RuntimeError("the engine and its null replay diverged: the engine still has requests")
         return timed
 
-    run(*WARM_UP)
+    run(WARM_UP)
     steps: list[TimedStep] = []
     for _ in range(repeats):
-        for shape in shapes:
-            steps += run(*shape)
+        for batch in batches:
+            steps += run(batch)
     spec = spec_from_config(model_dir.name, json.loads((model_dir / "config.json").read_text()))
     name = _DTYPE_NAMES[engine.dtype]
     cost = ModelCost.of(spec, name, name)
     source = f"calibrated on {engine.device.type} with {model_dir.name} ({name}, {torch.get_num_threads()} threads)"
-    return Calibration(fit([(s.shape, cost, s.seconds) for s in steps], source), cost, tuple(steps))
+    return Calibration(fit([(s.shape, cost, s.seconds) for s in steps], source),
+                       fit([(s.shape, cost, s.cpu_seconds) for s in steps], f"{source}, CPU time"), cost, tuple(steps))
 
 
 def random_checkpoint(spec: ModelSpec, out_dir: Path, num_layers: int | None = None) -> Path:

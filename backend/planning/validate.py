@@ -10,12 +10,15 @@ For each benchmark model, on the workload ``bench throughput`` runs by default
 
 then replay the workload with each calibration. On a shared machine the load
 drifts between the three; the two calibrations bracket the timed run, and
-their mean is the prediction compared. ``python -m pagedllm.planning.validate``.
+their mean is the prediction compared. The same comparison in this process's
+CPU time (steps fitted to CPU time, the timed run's CPU time) shows the
+model's own error apart from the machine's load. ``python -m pagedllm.planning.validate``.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,16 +47,21 @@ def validate(model: str) -> dict[str, Any]:
                             max_num_batched_tokens=settings.max_num_batched_tokens)
     requests = [TimedRequest(0.0, r.prompt_token_ids, r.max_tokens, r.n) for r in workload.requests]
     before = calibrate(model_dir, dtype="float32")
+    cpu_start = time.process_time()
     measured = run_pagedllm(model_dir, workload, settings, "continuous")
+    measured_cpu = time.process_time() - cpu_start
     after = calibrate(model_dir, dtype="float32")
     plans = [make_plan(deployment, requests, c.model) for c in (before, after)]
     predicted = statistics.mean(p.replay.predicted_wall_s for p in plans)
+    predicted_cpu = statistics.mean(make_plan(deployment, requests, c.cpu_model).replay.predicted_wall_s
+                                    for c in (before, after))
     return {
         "model": model, "workload": f"long-tail ({workload.scale})", "requests": len(requests),
         "plan_steps": plans[0].replay.steps,
         "engine_steps": engine_steps(workload, settings, "continuous", measured.extra["num_kv_blocks"]),
         "predicted_before_s": plans[0].replay.predicted_wall_s, "predicted_after_s": plans[1].replay.predicted_wall_s,
         "predicted_s": predicted, "measured_s": measured.seconds, "error": predicted / measured.seconds - 1,
+        "predicted_cpu_s": predicted_cpu, "measured_cpu_s": measured_cpu, "cpu_error": predicted_cpu / measured_cpu - 1,
         "calibrations": [before.model.to_json(), after.model.to_json()],
     }
 
@@ -73,10 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         row = rows[-1]
         print(report.markdown_table(
             ("model", "workload", "plan steps", "engine steps", "predicted s (before / after)", "predicted s (mean)",
-             "measured s", "error"),
+             "measured s", "error", "CPU s predicted / measured", "CPU error"),
             [(row["model"], row["workload"], row["plan_steps"], row["engine_steps"],
               f"{row['predicted_before_s']:.1f} / {row['predicted_after_s']:.1f}", row["predicted_s"],
-              row["measured_s"], f"{100 * row['error']:+.1f}%")]), flush=True)
+              row["measured_s"], f"{100 * row['error']:+.1f}%",
+              f"{row['predicted_cpu_s']:.1f} / {row['measured_cpu_s']:.1f}", f"{100 * row['cpu_error']:+.1f}%")]),
+              flush=True)
     report.write_json(args.out, {"machine": info, "rows": rows})
     print(f"wrote {args.out}")
     return 0
