@@ -48,12 +48,20 @@ def test_a_cached_hub_id_serves_the_same_tokens_as_its_folder(hub: Path, tiny_mo
     assert greedy_text(REPO_ID) == greedy_text(str(local))
 
 
-def test_revision_picks_the_branch_and_tokenizer_may_be_a_hub_id(hub: Path, tiny_model_dir: Callable[[str], Path]) -> None:
+def test_revision_picks_the_branch(hub: Path, tiny_model_dir: Callable[[str], Path]) -> None:
     main = add_to_hub_cache(hub, REPO_ID, tiny_model_dir("llama"))
     other = add_to_hub_cache(hub, REPO_ID, tiny_model_dir("qwen2"), branch="v2")
     assert resolve_model_dir(REPO_ID, "v2") == other != main
     assert resolve_model_dir(REPO_ID, "main") == main
     assert greedy_text(REPO_ID, revision="v2") == greedy_text(str(tiny_model_dir("qwen2")))
+
+
+def test_the_tokenizer_may_be_a_hub_id(hub: Path, tiny_model_dir: Callable[[str], Path]) -> None:
+    local = tiny_model_dir("llama")
+    add_to_hub_cache(hub, REPO_ID, local)
+    assert greedy_text(str(local), tokenizer=REPO_ID, revision="main") == greedy_text(str(local))
+    with pytest.raises(ValueError, match=r"tokenizer='pagedllm-test/absent' is not a local directory"):
+        LLM(model=str(local), tokenizer="pagedllm-test/absent", device="cpu", num_kv_blocks=16)
 
 
 def test_model_json_may_name_a_hub_id(hub: Path, tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
