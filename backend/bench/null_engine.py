@@ -16,7 +16,8 @@ from collections.abc import Sequence as Seq
 from pagedllm.core.beam_search import BeamCandidate, BeamSearch
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
-from pagedllm.core.scheduler import Scheduler, SchedulerOutput, StopPolicy
+from pagedllm.core.scheduler import Scheduler, SchedulerOutput
+from pagedllm.core.stop_policy import StopPolicy
 from pagedllm.sampling_params import SamplingParams
 
 NULL_TOKEN = 7

@@ -16,7 +16,9 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.beam_search import BeamCandidate, BeamSearch
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, Sequence
-from pagedllm.core.scheduler import BeamBatch, Scheduler, SchedulerOutput, StopPolicy
+from pagedllm.core.scheduler import BeamBatch, Scheduler, SchedulerOutput
+from pagedllm.core.stop_policy import StopPolicy
+from pagedllm.engine.admission import AdmissionLimits, check_request, tokenize_prompt
 from pagedllm.engine.output_processor import NewToken, OutputProcessor
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.model_source import resolve_model_dir
@@ -30,7 +32,6 @@ from pagedllm.worker.sampler import PenaltyState, Sampler, SamplingRow, make_gen
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "default_model"
-MAX_LOGPROBS = 20
 _CPU_KV_BUDGET_BYTES = 1 << 30
 
 
@@ -87,6 +88,8 @@ class LLMEngine:
             self.kv, config.max_num_seqs, config.max_num_batched_tokens,
             StopPolicy(self.max_model_len, self.eos_token_ids), static_batching=config.scheduling == "static",
         )
+        self.limits = AdmissionLimits(self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
+                                      self.model.vocab_size, num_blocks, config.block_size)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer)
         self._requests: dict[str, Request] = {}
@@ -101,8 +104,8 @@ class LLMEngine:
         """Queue a request; raises ``ValueError`` for input it could never serve."""
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in flight")
-        prompt_ids, text = self._tokenize(prompt)
-        self._validate(prompt_ids, params)
+        prompt_ids, text = tokenize_prompt(self.tokenizer, prompt, self.model.vocab_size)
+        check_request(prompt_ids, params, self.limits)
         request = Request(request_id, text, tuple(prompt_ids), params)
         seq = request.spawn(list(prompt_ids))
         if not params.use_beam_search:  # beams have no per-step text: their hypotheses are decoded at the end
@@ -307,71 +310,6 @@ class LLMEngine:
             return
         held = sum(seq.num_computed_tokens for seq in self.scheduler.running)
         self._peak_tokens_held = held + out.num_tokens
-
-    def _tokenize(self, prompt: str | Seq[int]) -> tuple[list[int], str | None]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return list(self.tokenizer.encode(prompt)), prompt
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt_token_ids is empty")
-        vocab = self.model.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        return ids, None
-
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if not prompt_ids:
-            raise ValueError("prompt is empty after tokenization")
-        room = self.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens but max_model_len is {self.max_model_len}: "
-                "there is no room for a single output token"
-            )
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(
-                f"max_tokens={params.max_tokens} is too large: the prompt has {len(prompt_ids)} tokens "
-                f"and max_model_len is {self.max_model_len}, so at most {room} can be generated"
-            )
-        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-            raise ValueError(f"logprobs={params.logprobs} is invalid: at most {MAX_LOGPROBS}")
-        if params.beam_width > self.scheduler.max_num_seqs:
-            raise ValueError(
-                f"beam_width={params.beam_width} is too large: the beams run side by side and max_num_seqs is "
-                f"{self.scheduler.max_num_seqs}"
-            )
-        if params.beam_width > self.scheduler.max_num_batched_tokens:
-            raise ValueError(
-                f"beam_width={params.beam_width} is too large: every beam computes a token in the same step and "
-                f"max_num_batched_tokens is {self.scheduler.max_num_batched_tokens}"
-            )
-        if params.n > self.scheduler.max_num_seqs:
-            raise ValueError(
-                f"n={params.n} is too large: its samples run side by side and max_num_seqs is "
-                f"{self.scheduler.max_num_seqs}"
-            )
-        vocab = self.model.vocab_size
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids contains ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        longest = len(prompt_ids) + (params.max_tokens if params.max_tokens is not None else room)
-        # Worst case: the samples (or beams, recomputed after a preemption too) share the prompt's full
-        # blocks and each holds the rest on its own.
-        shared = len(prompt_ids) // self.kv.block_size
-        fan_out = params.beam_width if params.use_beam_search else params.n
-        needed = shared + fan_out * (self.kv.blocks_needed(longest) - shared)
-        if needed > self.kv.num_blocks:
-            field = "beam_width" if params.use_beam_search else "max_tokens" if params.n == 1 else "n"
-            raise ValueError(
-                f"{field}: request can never fit in the KV cache: {fan_out} sequence(s) of up to {longest} tokens "
-                f"need {needed} blocks of {self.kv.block_size}, the cache has {self.kv.num_blocks} "
-                "(lower max_tokens or n, or raise num_kv_blocks)"
-            )
 
     def _num_kv_blocks(self) -> int:
         config = self.config
