@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,15 +96,45 @@ def model_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
     return tiny_model_dir("llama")
 
 
+# A pagedllm model with a test hook, served through Triton's plain "python" backend: the
+# prompt KILL_PROMPT kills its engine loop (an error no ``except Exception`` catches).
+DYING_MODEL = "llm_dying"
+KILL_PROMPT = "__kill_the_engine_loop__"
+DYING_MODEL_PY = f'''
+from pagedllm.model import TritonPythonModel as PagedLLMModel
+
+
+class InjectedFault(BaseException):
+    pass
+
+
+class TritonPythonModel(PagedLLMModel):
+    def initialize(self, args):
+        super().initialize(args)
+        add_request = self._engine.add_request
+
+        def hooked(request_id, prompt, params):
+            if prompt == {KILL_PROMPT!r}:
+                raise InjectedFault("injected engine-loop fault")
+            add_request(request_id, prompt, params)
+
+        self._engine.add_request = hooked
+'''
+
+
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     repository = tmp_path_factory.mktemp("model_repository")
-    (repository / "llm" / "1").mkdir(parents=True)
     bundled = Path(__file__).resolve().parents[1] / "model_repository" / "llm" / "config.pbtxt"
-    (repository / "llm" / "config.pbtxt").write_text(bundled.read_text())
-    (repository / "llm" / "1" / "model.json").write_text(json.dumps({
+    engine_args = json.dumps({
         "model": str(model_dir), "dtype": "float32", "device": "cpu", "max_model_len": MAX_MODEL_LEN,
-        "num_kv_blocks": NUM_KV_BLOCKS, "max_num_seqs": MAX_NUM_SEQS}))
+        "num_kv_blocks": NUM_KV_BLOCKS, "max_num_seqs": MAX_NUM_SEQS})
+    for name, backend in (("llm", "pagedllm"), (DYING_MODEL, "python")):
+        (repository / name / "1").mkdir(parents=True)
+        (repository / name / "config.pbtxt").write_text(
+            bundled.read_text().replace('backend: "pagedllm"', f'backend: "{backend}"'))
+        (repository / name / "1" / "model.json").write_text(engine_args)
+    (repository / DYING_MODEL / "1" / "model.py").write_text(DYING_MODEL_PY)
     log = tmp_path_factory.mktemp("tritonserver") / "tritonserver.log"
     with TritonServer(repository, log_path=log) as running:
         yield running
@@ -179,3 +211,48 @@ def test_bad_requests_fail_alone_and_fast_while_a_long_stream_runs(server: Trito
     after = wait_for_metrics(server, lambda m: m.get("pagedllm:kv_blocks_used") == 0)
     assert after["pagedllm:kv_blocks_used"] == 0
     assert metrics(server)["pagedllm:kv_blocks_free"] == NUM_KV_BLOCKS
+
+
+def _model_ready(server: TritonServer, model: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/ready", timeout=5) as response:
+            return response.status == 200
+    except urllib.error.HTTPError:
+        return False
+
+
+def test_a_dead_engine_loop_fails_its_streams_and_the_model_stops_reporting_ready(
+        server: TritonServer, offline: LLM) -> None:
+    client = StreamClient(server.grpc_url)
+    killer = StreamClient(server.grpc_url)
+    try:
+        assert _model_ready(server, DYING_MODEL)
+        params = {"temperature": 0, "max_tokens": 800, "ignore_eos": True}
+        running = client.send("running", make_inputs(GOOD_PROMPT, params, stream=True), model=DYING_MODEL)
+        deadline = time.monotonic() + 60
+        while not running.texts:
+            assert time.monotonic() < deadline and not running.done.is_set(), running.error
+            time.sleep(0.05)
+        kill = killer.send("kill", make_inputs(KILL_PROMPT, {"max_tokens": 2}, stream=True), model=DYING_MODEL)
+        assert kill.done.wait(30) and running.done.wait(30)
+        for result in (kill, running):
+            assert result.error is not None and "injected engine-loop fault" in result.error, result.error
+        deadline = time.monotonic() + 30
+        while _model_ready(server, DYING_MODEL) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _model_ready(server, DYING_MODEL)
+        later = client.send("later", make_inputs("def", {"max_tokens": 2}, stream=True), model=DYING_MODEL)
+        assert later.done.wait(30) and later.error is not None
+    finally:
+        client.close(cancel=True)
+        killer.close(cancel=True)
+    # The other model of the same server is untouched.
+    assert _model_ready(server, "llm")
+    check = StreamClient(server.grpc_url)
+    try:
+        result = check.send("check", make_inputs("def main(self):", {"temperature": 0, "max_tokens": 8}, stream=True))
+        assert result.done.wait(60) and result.error is None
+    finally:
+        check.close()
+    assert result.text() == offline.generate(["def main(self):"], SamplingParams(temperature=0, max_tokens=8))[
+        0].outputs[0].text
