@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.engine.engine_loop import RequestTiming
+from pagedllm.engine.request_timing import RequestTiming
 
 log = logging.getLogger(__name__)
 
