@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_ATTENTION_BACKENDS = ("auto", "triton", "torch")
+_ATTENTION_BACKENDS = ("auto", "triton", "torch", "torch-reference")
 _SCHEDULING = ("continuous", "static")
 
 

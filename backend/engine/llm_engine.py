@@ -24,7 +24,7 @@ from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.model_source import resolve_model_dir
 from pagedllm.models import CausalLM, load_model
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.attention_backend import select_attention_backend
+from pagedllm.worker.attention_backend import attention_backend_named, select_attention_backend
 from pagedllm.worker.beam_sampler import beam_candidates
 from pagedllm.worker.model_runner import BatchLimits, ModelRunner
 from pagedllm.worker.sampler import PenaltyState, Sampler, SamplingRow, make_generator, needs_penalties
@@ -71,9 +71,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
             resolve_model_dir(config.tokenizer, config.revision, field="tokenizer") if config.tokenizer else model_dir)
-        attention = select_attention_backend(
-            self.device, {"auto": None, "triton": True, "torch": False}[config.attention_backend]
-        )
+        attention = (select_attention_backend(self.device) if config.attention_backend == "auto"
+                     else attention_backend_named(config.attention_backend))
         checkpoint_dtype = _checkpoint_dtype(model_dir)
         self.dtype = config.torch_dtype(checkpoint_dtype)
         self.model: CausalLM = load_model(model_dir, self.dtype, self.device, attention)
