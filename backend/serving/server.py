@@ -337,9 +337,9 @@ class TritonServer:
         process, self._process = self._process, None
         if process is not None:
             if process.poll() is None:
-                for pid, _ in _group_members(process.pid):
-                    if pid != process.pid:
-                        _send(pid, signal.SIGTERM)
+                for pid, arguments in _group_members(process.pid):
+                    if arguments and arguments[0].endswith(b"triton_python_backend_stub"):
+                        _send(pid, signal.SIGTERM)  # not the stubs' own children (an engine core process)
                 process.send_signal(signal.SIGINT)
                 try:
                     process.wait(timeout_s)
