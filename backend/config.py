@@ -41,7 +41,7 @@ class EngineConfig:
     scheduling: str = "continuous"
     # Serve with the engine in a child process of the Triton stub, off the stub's GIL
     # (pagedllm.engine.core_process); offline LLM use always runs the engine in-process.
-    engine_process: bool = False
+    engine_process: bool = True
 
     def __post_init__(self) -> None:
         _require(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", self.dtype, f"one of auto, {', '.join(_DTYPES)}")

