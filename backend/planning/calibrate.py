@@ -46,8 +46,8 @@ class Batch:
     output_len: tuple[int, int]
 
 
-# Decodes at 1-32 rows with contexts up to ~530 tokens, and full 2048-token prefill chunks.
-BATCHES = (Batch(1, (16, 16), (16, 16)), Batch(8, (16, 128), (8, 16)), Batch(32, (16, 512), (4, 16)),
+# Decodes at 1-32 rows with contexts up to ~1000 tokens, and full 2048-token prefill chunks.
+BATCHES = (Batch(1, (16, 16), (16, 16)), Batch(8, (16, 128), (8, 16)), Batch(32, (16, 960), (4, 16)),
            Batch(4, (512, 512), (3, 3)))
 WARM_UP = Batch(2, (8, 8), (4, 4))  # first-call allocations and lazy initialisation, not timed
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
