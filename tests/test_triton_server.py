@@ -161,8 +161,9 @@ def metrics(server: TritonServer, model: str = MODEL) -> dict[str, float]:
     return values
 
 
-def wait_for_metrics(server: TritonServer, condition: Callable[[dict[str, float]], bool]) -> dict[str, float]:
-    deadline = time.monotonic() + 60
+def wait_for_metrics(server: TritonServer, condition: Callable[[dict[str, float]], bool],
+                     timeout_s: float = 60) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
     values = metrics(server)
     while not condition(values) and time.monotonic() < deadline:
         time.sleep(0.2)
