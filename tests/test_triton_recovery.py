@@ -32,7 +32,7 @@ pytest.importorskip("tritonclient.grpc")
 from test_triton_server import StreamClient, StreamResult, make_inputs, greedy  # noqa: E402
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
-from pagedllm.serving.server import free_port  # noqa: E402
+from pagedllm.serving.server import child_pids, free_port  # noqa: E402
 from pagedllm.serving.supervision import DIR_VARIABLE, FAULT_INJECTION_VARIABLE, SupervisionFolder  # noqa: E402
 
 pytestmark = pytest.mark.tritonserver
@@ -64,8 +64,8 @@ class Serve:
             return False
 
     def stub_pid(self) -> int:
-        (server,) = _children(self.process.pid)
-        stubs = [pid for pid in _children(server) if b"triton_python_backend_stub" in _cmdline(pid)]
+        (server,) = child_pids(self.process.pid)
+        stubs = [pid for pid in child_pids(server) if b"triton_python_backend_stub" in _cmdline(pid)]
         assert len(stubs) == 1, stubs
         return stubs[0]
 
@@ -74,18 +74,6 @@ class Serve:
             if line.startswith("pagedllm:engine_restarts_total{") and 'model="llm"' in line:
                 return float(line.rsplit(" ", 1)[1])
         return None
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
-            except (OSError, ValueError):
-                continue
-    return found
 
 
 def _cmdline(pid: int) -> bytes:

@@ -14,6 +14,7 @@ from typing import Any
 
 from pagedllm.bench import report
 from pagedllm.bench.models import bench_model
+from pagedllm.serving.server import child_pids
 
 SOAK_CONCURRENCY = 32
 WARMUP_REQUESTS = 64
@@ -28,18 +29,6 @@ def rss_mib(pid: int) -> float | None:
     except OSError:
         return None
     return None
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
-            except (OSError, ValueError):
-                continue
-    return found
 
 
 def run_soak(args: argparse.Namespace, client: Any, write_model_repository: Any, model_name: str) -> None:
@@ -65,7 +54,7 @@ def run_soak(args: argparse.Namespace, client: Any, write_model_repository: Any,
                                    progress=False).summary()
 
         def snapshot(label: str, done: int, errors: int) -> None:
-            engine = [rss_mib(pid) or 0.0 for pid in _children(stub)]
+            engine = [rss_mib(pid) or 0.0 for pid in child_pids(stub)]
             rows.append([label, done, errors, f"{rss_mib(stub) or 0.0:.0f}",
                          f"{sum(engine):.0f}" if engine else "-"])
 

@@ -52,6 +52,19 @@ def _group_members(group: int) -> list[tuple[int, list[bytes]]]:
     return members
 
 
+def child_pids(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid`` (read from ``/proc``)."""
+    found = []
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, ValueError):
+                continue
+    return found
+
+
 def _shm_regions(members: list[tuple[int, list[bytes]]]) -> list[str]:
     """The shared-memory regions the Python backend stubs among ``members`` name on their command lines."""
     return [a.decode() for _, arguments in members for a in arguments if a.startswith(b"triton_") and b"shm_region" in a]
