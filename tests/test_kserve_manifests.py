@@ -197,9 +197,12 @@ def test_every_port_is_named_for_a_multi_port_service() -> None:
 
 def test_probes_cover_startup_readiness_and_liveness_on_the_http_port() -> None:
     container = serving_runtime_container()
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "readinessProbe"):
         assert container[probe]["httpGet"]["port"] in ("http", 8080), probe
     assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    # Liveness runs a real engine step through the same HTTP port (pagedllm.serving.health).
+    assert container["livenessProbe"]["exec"]["command"] == [
+        "python3", "-m", "pagedllm.serving.health", "--http-url", "127.0.0.1:8080"]
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60, "checkpoint loading needs minutes"
 

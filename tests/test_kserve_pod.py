@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import queue
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +55,8 @@ class Container:
     env: dict[str, str]
     ports: dict[str, int]  # name -> containerPort
     metrics: tuple[int, str]  # the prometheus.kserve.io/port and /path annotations
-    probes: dict[str, tuple[int, str]]  # startupProbe/readinessProbe/livenessProbe -> (containerPort, path)
+    probes: dict[str, tuple[int, str]]  # httpGet probes: startupProbe/readinessProbe -> (containerPort, path)
+    exec_probes: dict[str, list[str]]  # exec probes: livenessProbe -> its command
     mounts: list[str]  # volume mount paths
 
 
@@ -63,15 +66,18 @@ def read_container(path: Path) -> Container:
     annotations = spec["annotations"]
     container = next(c for c in spec["containers"] if c["name"] == "kserve-container")
     ports = {port["name"]: port["containerPort"] for port in container["ports"]}
-    probes = {}
+    probes, exec_probes = {}, {}
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        if "exec" in container[kind]:
+            exec_probes[kind] = container[kind]["exec"]["command"]
+            continue
         http_get = container[kind]["httpGet"]
         port = http_get["port"]
         probes[kind] = (ports[port] if isinstance(port, str) else port, http_get["path"])
     return Container(
         command=container["command"], args=container["args"],
         env={item["name"]: item["value"] for item in container.get("env", [])},
-        ports=ports, probes=probes,
+        ports=ports, probes=probes, exec_probes=exec_probes,
         metrics=(int(annotations["prometheus.kserve.io/port"]), annotations["prometheus.kserve.io/path"]),
         mounts=[mount["mountPath"] for mount in container.get("volumeMounts", [])],
     )
@@ -164,7 +170,20 @@ def expected(pod: RunningPod) -> str:
     return offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].outputs[0].text
 
 
-@pytest.mark.parametrize("probe", ["startupProbe", "readinessProbe", "livenessProbe"])
+def test_the_liveness_command_runs_a_real_step_through_the_declared_http_port(pod: RunningPod) -> None:
+    command = pod.container.exec_probes["livenessProbe"]
+    declared = f"127.0.0.1:{pod.container.ports['http']}"
+    assert command[:3] == ["python3", "-m", "pagedllm.serving.health"] and declared in command
+    argv = [sys.executable, *command[1:]]
+    argv[argv.index(declared)] = pod.url(pod.container.ports["http"])
+    healthy = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert healthy.returncode == 0, healthy.stderr
+    argv[argv.index(pod.url(pod.container.ports["http"]))] = f"127.0.0.1:{free_port()}"
+    nobody = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert nobody.returncode == 1 and "unhealthy" in nobody.stderr
+
+
+@pytest.mark.parametrize("probe", ["startupProbe", "readinessProbe"])
 def test_each_probe_answers_200_on_its_declared_port_once_the_model_is_loaded(pod: RunningPod, probe: str) -> None:
     port, path = pod.container.probes[probe]
     response = requests.get(f"http://{pod.url(port)}{path}", timeout=10)

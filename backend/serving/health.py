@@ -6,10 +6,17 @@ served model a one-token greedy ``generate`` through Triton's HTTP endpoint (so 
 request crosses Triton, the stub, the engine loop and one model step) and answers
 200 ``ok`` when each returned within ``timeout_s``, else 503 naming the model and
 what went wrong. Probes run one at a time, so eager probers queue here, not in the engine.
+
+Where there is no launcher (a KServe pod runs tritonserver itself), the same check
+runs as a command, for an ``exec`` liveness probe:
+``python3 -m pagedllm.serving.health --http-url 127.0.0.1:8080`` exits 0 when every
+ready model generated a token, 1 (printing why) otherwise.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -85,3 +92,37 @@ class HealthServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def ready_models(http_url: str, timeout_s: float) -> list[str]:
+    """The models Triton's repository index lists as READY."""
+    request = urllib.request.Request(f"http://{http_url}/v2/repository/index", data=b"{}", method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+        return [entry["name"] for entry in json.loads(answer.read()) if entry.get("state") == "READY"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Liveness check that runs a real engine step through Triton")
+    parser.add_argument("--http-url", default="127.0.0.1:8000", help="Triton's HTTP endpoint, host:port")
+    parser.add_argument("--model", action="append", default=None,
+                        help="model to probe (repeatable; default: every model Triton lists as READY)")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds per model")
+    args = parser.parse_args(argv)
+    try:
+        models = args.model or ready_models(args.http_url, args.timeout)
+    except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError) as error:
+        print(f"unhealthy: cannot list models at {args.http_url}: {error}", file=sys.stderr)
+        return 1
+    if not models:
+        print("unhealthy: no model is being served", file=sys.stderr)
+        return 1
+    problem = next((p for p in (probe_model(args.http_url, model, args.timeout) for model in models) if p), None)
+    if problem is not None:
+        print(f"unhealthy: {problem}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
