@@ -43,7 +43,8 @@ import triton_python_backend_utils as pb_utils
 
 from pagedllm.engine.core_process import EngineCoreProcess
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.engine_loop import EngineLoop, EngineUnavailable, FailureKind
+from pagedllm.engine.engine_contract import EngineUnavailable, FailureKind
+from pagedllm.engine.engine_loop import EngineLoop
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.serving.cancellation import CancellationWatcher
 from pagedllm.serving.engine_args import load_engine_config

@@ -13,7 +13,8 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core_process import EngineCoreProcess
-from pagedllm.engine.engine_loop import EngineLoop, FailureKind
+from pagedllm.engine.engine_contract import FailureKind
+from pagedllm.engine.engine_loop import EngineLoop
 from pagedllm.engine.outputs import RequestOutput
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Tree:"]

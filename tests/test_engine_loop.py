@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from pagedllm.engine.engine_loop import EngineLoop, EngineUnavailable, FailureKind, RequestTiming
+from pagedllm.engine.engine_contract import EngineUnavailable, FailureKind
+from pagedllm.engine.engine_loop import EngineLoop
+from pagedllm.engine.request_timing import RequestTiming
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from pagedllm.engine.engine_loop import RequestTiming
+from pagedllm.engine.request_timing import RequestTiming
 from pagedllm.serving.metrics import PREFIX, SPECS, TritonMetrics, gauge_values
 
 

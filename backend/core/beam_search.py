@@ -117,3 +117,19 @@ def _f32(value: float) -> float:
     """``value`` rounded to float32 (each of +, -, *, / on float32 inputs done in float64 then
     rounded gives the float32 result exactly)."""
     return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def beam_chunks(remaining: list[int], ready: list[bool], budget: int) -> list[int]:
+    """Tokens for each beam of a group this step, given what each has left to compute.
+
+    The beams sample together: either all of them reach their last token this step,
+    or each computes a chunk that stops short of it (a beam not ready computes nothing).
+    """
+    if all(ready) and sum(remaining) <= budget:
+        return remaining
+    chunks = []
+    for left, may_compute in zip(remaining, ready):
+        chunk = max(0, min(left - 1, budget)) if may_compute else 0
+        chunks.append(chunk)
+        budget -= chunk
+    return chunks

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from pagedllm.core.beam_search import BeamCandidate, BeamSearch
+from pagedllm.core.beam_search import BeamCandidate, BeamSearch, beam_chunks
 from pagedllm.core.kv_cache_manager import NO_MATCH, KVCacheManager
 from pagedllm.core.request import Request, Sequence, SequenceStatus
 from pagedllm.core.stop_policy import StopPolicy
@@ -261,7 +261,7 @@ class Scheduler:
         request = self.running[index].request
         group = self.running[index : index + len(request.beams)]
         ready = [self._join_leader(request, beam) for beam in group]
-        chunks = _beam_chunks([beam.num_tokens - beam.num_computed_tokens for beam in group], ready, budget)
+        chunks = beam_chunks([beam.num_tokens - beam.num_computed_tokens for beam in group], ready, budget)
         if not any(chunks):
             return 0, len(group)
         # A beam whose blocks were allocated before a retry needs nothing more: allocate is idempotent.
@@ -283,7 +283,7 @@ class Scheduler:
         cached = [len(match.blocks) * self.kv.block_size for match in matches]
         # Nothing of the group is computed yet: a beam the cache does not serve waits for the leader.
         ready = [bool(match.blocks) or self._join_leader(request, beam) for beam, match in zip(group, matches)]
-        chunks = _beam_chunks(
+        chunks = beam_chunks(
             [beam.num_tokens - beam.num_computed_tokens - n for beam, n in zip(group, cached)], ready, budget)
         if not any(chunks):
             return None
@@ -393,19 +393,3 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
-
-
-def _beam_chunks(remaining: list[int], ready: list[bool], budget: int) -> list[int]:
-    """Tokens for each beam of a group this step, given what each has left to compute.
-
-    The beams sample together: either all of them reach their last token this step,
-    or each computes a chunk that stops short of it (a beam not ready computes nothing).
-    """
-    if all(ready) and sum(remaining) <= budget:
-        return remaining
-    chunks = []
-    for left, may_compute in zip(remaining, ready):
-        chunk = max(0, min(left - 1, budget)) if may_compute else 0
-        chunks.append(chunk)
-        budget -= chunk
-    return chunks

@@ -21,15 +21,23 @@ submissions raise ``EngineUnavailable``.
 """
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
 
+from pagedllm.engine.engine_contract import (
+    EngineLike,
+    EngineUnavailable,
+    FailureKind,
+    IsCancelled,
+    OnDeath,
+    OnError,
+    OnOutput,
+    OnStep,
+)
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.engine.request_timing import RequestTiming
 from pagedllm.sampling_params import SamplingParams
@@ -42,38 +50,6 @@ STALLED_RETRY_S = 0.5
 # be looked up again by a step that schedules nothing.
 _PROGRESS_FIELDS = ("num_blocks_used", "num_blocks_free", "num_running", "num_waiting", "num_preemptions",
                     "prompt_tokens_total", "generation_tokens_total")
-
-
-class FailureKind(enum.Enum):
-    """Why a request ended without finishing, for ``on_error``."""
-
-    REQUEST = "request"  # the engine ended this request alone because it faulted
-    ENGINE = "engine"  # a step failed and the fault could not be pinned on one request
-    UNAVAILABLE = "unavailable"  # the loop stopped or died
-    TIMEOUT = "timeout"  # the request's sampling_parameters.timeout passed
-
-
-class EngineUnavailable(RuntimeError):
-    """The loop is not serving (stopped or dead); the message says why."""
-
-
-OnOutput = Callable[[RequestOutput], None]
-OnError = Callable[[str, FailureKind], None]
-IsCancelled = Callable[[], bool]
-
-
-class EngineLike(Protocol):
-    """What the loop needs from ``pagedllm.engine.LLMEngine`` (fakes in tests follow it too)."""
-
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None: ...
-    def abort_request(self, request_id: str) -> None: ...
-    def step(self) -> list[RequestOutput]: ...
-    def has_unfinished_requests(self) -> bool: ...
-    def stats(self) -> object: ...
-
-
-OnStep = Callable[[object, Sequence[RequestTiming]], None]
-OnDeath = Callable[[str], None]
 
 
 @dataclass(slots=True)

@@ -1,0 +1,47 @@
+"""What ``EngineLoop`` needs from an engine and what it tells its callers.
+
+``LLMEngine`` (in-process), ``EngineCoreProcess`` (the engine in a child
+process) and the tests' fakes all follow ``EngineLike``; servers read
+``FailureKind`` and ``EngineUnavailable`` to pick a response code.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.request_timing import RequestTiming
+from pagedllm.sampling_params import SamplingParams
+
+
+class FailureKind(enum.Enum):
+    """Why a request ended without finishing, for ``on_error``."""
+
+    REQUEST = "request"  # the engine ended this request alone because it faulted
+    ENGINE = "engine"  # a step failed and the fault could not be pinned on one request
+    UNAVAILABLE = "unavailable"  # the loop stopped or died
+    TIMEOUT = "timeout"  # the request's sampling_parameters.timeout passed
+
+
+class EngineUnavailable(RuntimeError):
+    """The loop is not serving (stopped or dead); the message says why."""
+
+
+OnOutput = Callable[[RequestOutput], None]
+OnError = Callable[[str, FailureKind], None]
+IsCancelled = Callable[[], bool]
+
+
+class EngineLike(Protocol):
+    """What the loop needs from ``pagedllm.engine.LLMEngine`` (fakes in tests follow it too)."""
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None: ...
+    def abort_request(self, request_id: str) -> None: ...
+    def step(self) -> list[RequestOutput]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def stats(self) -> object: ...
+
+
+OnStep = Callable[[object, Sequence[RequestTiming]], None]
+OnDeath = Callable[[str], None]
