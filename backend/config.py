@@ -42,6 +42,8 @@ class EngineConfig:
     # Serve with the engine in a child process of the Triton stub, off the stub's GIL
     # (pagedllm.engine.core_process); offline LLM use always runs the engine in-process.
     engine_process: bool = True
+    # Replay decode steps as CUDA graphs (pagedllm.worker.cuda_graphs); CUDA with the triton backend only.
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         _require(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", self.dtype, f"one of auto, {', '.join(_DTYPES)}")
@@ -59,6 +61,11 @@ class EngineConfig:
                  f"one of {', '.join(_ATTENTION_BACKENDS)}")
         _require(self.scheduling in _SCHEDULING, "scheduling", self.scheduling, f"one of {', '.join(_SCHEDULING)}")
         _require(isinstance(self.engine_process, bool), "engine_process", self.engine_process, "true or false")
+        _require(isinstance(self.cuda_graphs, bool), "cuda_graphs", self.cuda_graphs, "true or false")
+        _require(not self.cuda_graphs or self.device != "cpu", "cuda_graphs", self.cuda_graphs,
+                 "false with device=cpu: CUDA graphs need a CUDA device")
+        _require(not self.cuda_graphs or self.attention_backend in ("auto", "triton"), "cuda_graphs", self.cuda_graphs,
+                 "false unless attention_backend is auto or triton: only the Triton kernels plan from shapes alone")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> EngineConfig:

@@ -204,6 +204,9 @@ def test_bad_engine_arguments_name_the_key(tiny_model_dir: Callable[[str], Path]
         LLM(model=str(tiny_model_dir("llama")), block_size=12)
     with pytest.raises(ValueError, match="not a Hugging Face checkpoint"):
         LLM(model="/nonexistent/model")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
+            LLM(model=str(tiny_model_dir("llama")), cuda_graphs=True)
 
 
 def test_static_batching_admits_the_next_batch_only_when_one_finishes(tiny_model_dir: Callable[[str], Path]) -> None:

@@ -65,6 +65,9 @@ def test_incremental_batch_equals_a_fresh_build_every_step(pad_decodes: bool) ->
             assert inputs.logits_indices.tolist() == [ends[i] - 1 for i in completing]
             if pad_decodes and num_tokens == num_seqs:
                 assert inputs.attn.seq_lens.numel() in batch_size_buckets(MAX_SEQS)
+            # Only steps whose every row decodes and samples may replay a captured decode graph.
+            all_decode = num_tokens == num_seqs and len(completing) == num_seqs
+            assert inputs.decode_rows == (num_seqs if all_decode else None)
         engine.scheduler.update_from_output(out, [int(t) for t in rng.integers(0, 50, len(out.samples))])
     assert preempted > 0, "the pool was meant to be small enough to preempt"
     assert len(batch._row_of) <= MAX_SEQS

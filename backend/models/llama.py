@@ -170,16 +170,20 @@ class CausalLM(nn.Module):
         """Hidden states [num_tokens, hidden] of a flat batch; writes its K/V into ``kv_caches``."""
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"kv_caches has {len(kv_caches)} layers; the model has {self.num_layers}")
-        if self.sliding_window is not None and attn.max_seq_len > self.sliding_window:
-            raise ValueError(
-                f"context of {attn.max_seq_len} tokens exceeds the model's sliding_window={self.sliding_window}; "
-                "sliding-window attention is not implemented, so cap max_model_len at the window"
-            )
+        self.require_context_fits(attn.max_seq_len)
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(x, rope, kv_cache, attn)
         return self.model.norm(x)
+
+    def require_context_fits(self, max_seq_len: int) -> None:
+        """``ValueError`` for a context this model cannot attend over (checked per step, graphs included)."""
+        if self.sliding_window is not None and max_seq_len > self.sliding_window:
+            raise ValueError(
+                f"context of {max_seq_len} tokens exceeds the model's sliding_window={self.sliding_window}; "
+                "sliding-window attention is not implemented, so cap max_model_len at the window"
+            )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""

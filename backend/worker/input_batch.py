@@ -29,6 +29,8 @@ class StepInputs:
     positions: torch.Tensor  # int64 [num_tokens]
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [num_sampled]: the flat index of each sampled sequence's last token
+    # Set when every row decodes one token and samples it: the number of real rows before the padding.
+    decode_rows: int | None = None
 
 
 def batch_size_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -124,8 +126,9 @@ class InputBatch:
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
         )
+        decode_rows = num_seqs if is_decode and len(completing) == num_seqs else None
         return StepInputs(put(input_ids, torch.int64), put(positions, torch.int64), attn,
-                          put(logits_indices, torch.int64))
+                          put(logits_indices, torch.int64), decode_rows)
 
     def _sync_row(self, seq: Sequence) -> int:
         """The sequence's table row, with any block ids it gained since the last step written in."""

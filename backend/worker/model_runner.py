@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.worker.attention_backend import AttentionBackend
+from pagedllm.worker.cuda_graphs import DecodeGraphs
 from pagedllm.worker.input_batch import InputBatch, StepInputs
 from pagedllm.models import CausalLM
 from pagedllm.core.scheduler import SchedulerOutput
@@ -21,7 +22,7 @@ class BatchLimits:
 
 
 class ModelRunner:
-    """Owns the model and the per-layer K/V cache tensors."""
+    """Owns the model and the per-layer K/V cache tensors; replays decode steps as CUDA graphs when asked."""
 
     def __init__(
         self,
@@ -32,18 +33,26 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         limits: BatchLimits,
+        cuda_graphs: bool = False,
     ) -> None:
         self.model = model
         self.attention = attention
         self.block_size = block_size
         self.device = device
-        self.input_batch = InputBatch(limits.max_num_seqs, limits.max_num_batched_tokens,
-                                      -(-limits.max_model_len // block_size), block_size, device)
+        max_blocks_per_seq = -(-limits.max_model_len // block_size)
+        # Graphs replay fixed shapes, so decode batches are padded up to the captured sizes.
+        self.input_batch = InputBatch(limits.max_num_seqs, limits.max_num_batched_tokens, max_blocks_per_seq,
+                                      block_size, device, pad_decodes=cuda_graphs)
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(model.num_layers)
         ]
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs:
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(model, attention, self.kv_caches, self.input_batch.buckets,
+                                           max_blocks_per_seq, device)
 
     @staticmethod
     def bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -57,6 +66,8 @@ class ModelRunner:
             mapping = torch.tensor(step.block_copies, dtype=torch.int64, device=self.device)
             self.attention.copy_blocks(self.kv_caches, mapping)
         inputs = self.prepare(step)
+        if self.graphs is not None and (logits := self.graphs.replay(inputs)) is not None:
+            return logits
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.attention.plan(inputs.attn))
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
