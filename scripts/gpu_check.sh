@@ -10,7 +10,7 @@
 #   kernels  `pagedllm bench kernels` (correctness, decode bandwidth vs peak, prefill TFLOP/s, SDPA)
 #   plan     `pagedllm plan --calibrate` on this GPU beside the H200 data-sheet figures
 # The sections' programs are in scripts/gpu/. All together take about 5 minutes on an H200 (the timeouts
-# sum to 9.5); results and logs go to $OUT (or ./gpu-results). Exit 1 if any section failed or timed out.
+# sum to 9.5). Tables go to stdout, JSON results to $OUT (or ./gpu-results). Exit 1 if any section failed.
 # Usage: bash scripts/gpu_check.sh [engine] [graphs] [launch] [kernels] [plan]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,20 +19,20 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 SECTIONS=("$@")
 [ ${#SECTIONS[@]} -eq 0 ] && SECTIONS=(engine graphs launch kernels plan)
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 \
-    || { cat "$OUT/install.log"; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/pagedllm-install.log 2>&1 \
+    || { cat /tmp/pagedllm-install.log; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
-'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+'transformers', transformers.__version__)"
 FAILED=()
 
-# section NAME SECONDS COMMAND...: runs COMMAND under a timeout, output to the screen and $OUT/NAME.txt.
+# section NAME SECONDS COMMAND...: runs COMMAND under a timeout; its output goes to the screen.
 section() {
     local name=$1 seconds=$2; shift 2
     echo "=== $name (timeout ${seconds}s)"
     local start=$SECONDS
-    timeout "$seconds" "$@" 2>&1 | tee "$OUT/$name.txt"
-    local status=${PIPESTATUS[0]}
+    timeout "$seconds" "$@" 2>&1
+    local status=$?
     echo "=== $name: exit $status after $((SECONDS - start)) s"
     [ "$status" -eq 0 ] || FAILED+=("$name")
 }

@@ -48,8 +48,9 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit("pagedllm bench graphs needs a CUDA GPU")
     batches = [int(b) for b in args.batches.split(",")]
     checkpoint = random_checkpoint(resolve_model(args.shape), Path(tempfile.mkdtemp()) / "model", args.layers)
+    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
     generator = torch.Generator().manual_seed(0)
-    prompts = [{"prompt_token_ids": torch.randint(3, 30000, (args.prompt_len,), generator=generator).tolist()}
+    prompts = [{"prompt_token_ids": torch.randint(3, vocab, (args.prompt_len,), generator=generator).tolist()}
                for _ in range(max(batches))]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     results: dict[bool, dict[int, tuple[float, list[list[int]]]]] = {}

@@ -108,7 +108,10 @@ def calibrate(model_dir: Path, device: str = "cpu", dtype: str = "auto", block_s
             raise RuntimeError("the engine and its null replay diverged: the engine still has requests")
         return timed
 
-    run(WARM_UP)
+    # On CUDA the first step of each launch shape compiles Triton kernels (seconds): pass over every batch once
+    # untimed there, so the fit sees steady-state steps.
+    for batch in (WARM_UP, *batches) if engine.device.type == "cuda" else (WARM_UP,):
+        run(batch)
     steps: list[TimedStep] = []
     for _ in range(repeats):
         for batch in batches:
