@@ -49,11 +49,11 @@ class IncrementalDetokenizer:
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
         self._num_tokens = 0
-        # Token ids since the stream last produced text, after a little context;
-        # only flush() needs them, to decode a sample that ends mid-character.
-        self._context: list[int] = []
-        self._pending: list[int] = []
-        self._stream = self._primed_stream(list(prompt_token_ids[-_PRIME_WINDOW:]))
+        # Every id fed to the stream, and how many of them it has turned into text: only
+        # flush() reads them, to decode a sample that ends mid-character.
+        self._ids = list(prompt_token_ids[-_PRIME_WINDOW:])
+        self._num_decoded = 0
+        self._stream = self._primed_stream()
         self._emitted = 0
         self._finished = False
         self.output_text = ""
@@ -61,19 +61,19 @@ class IncrementalDetokenizer:
     def _decode(self, ids: Sequence[int]) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=self._skip_special)
 
-    def _primed_stream(self, window: list[int]) -> DecodeStream:
+    def _primed_stream(self) -> DecodeStream:
         """A stream whose next chunk continues the prompt's text.
 
         If the prompt ends inside a character, the stream is primed with the
         longest clean prefix and the rest is fed as pending, so the first output
         token that completes the character emits it whole.
         """
+        window = self._ids
         clean = next(k for k in range(len(window), -1, -1) if not self._decode(window[:k]).endswith(_REPLACEMENT))
         stream = DecodeStream(ids=window[:clean] or None, skip_special_tokens=self._skip_special)
-        self._context = window[:clean]
+        self._num_decoded = clean
         if clean < len(window):
             stream.step(self._backend, window[clean:])
-            self._pending = window[clean:]
         return stream
 
     def update(self, new_token_ids: Sequence[int]) -> DetokenizerUpdate:
@@ -81,20 +81,21 @@ class IncrementalDetokenizer:
         if self._finished:
             raise ValueError("update() called after the sample finished (stop string or flush)")
         new_text = []
+        ids = self._ids
         for token_id in new_token_ids:
+            ids.append(token_id)
             chunk = self._stream.step(self._backend, token_id)
-            if chunk is None:
-                self._pending.append(token_id)
-            else:
+            if chunk is not None:
                 new_text.append(chunk)
-                self._context = (self._context + self._pending + [token_id])[-_PRIME_WINDOW:]
-                self._pending = []
+                self._num_decoded = len(ids)
         self._num_tokens += len(new_token_ids)
         previous_length = len(self.output_text)
         self.output_text += "".join(new_text)
+        if not self._stops:  # nothing to find or hold back
+            return DetokenizerUpdate(self._release(len(self.output_text)), None)
 
         # As in vLLM, stop strings count only once min_tokens tokens are out.
-        if self._stops and self._num_tokens > self._min_tokens:
+        if self._num_tokens > self._min_tokens:
             match = self._find_stop(previous_length)
             if match is not None:
                 stop, start = match
@@ -109,10 +110,11 @@ class IncrementalDetokenizer:
         A sample that ends inside a character gets the replacement character(s)
         that ``tokenizer.decode`` would give for those bytes.
         """
-        if self._pending and not self._finished:
-            with_pending = self._decode(self._context + self._pending)
-            self.output_text += with_pending[len(self._decode(self._context)):]
-            self._pending = []
+        if self._num_decoded < len(self._ids) and not self._finished:
+            context = self._ids[max(0, self._num_decoded - _PRIME_WINDOW) : self._num_decoded]
+            with_pending = self._decode(context + self._ids[self._num_decoded :])
+            self.output_text += with_pending[len(self._decode(context)):]
+            self._num_decoded = len(self._ids)
         self._finished = True
         return self._release(len(self.output_text))
 

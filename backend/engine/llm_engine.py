@@ -19,7 +19,7 @@ from pagedllm.core.request import Request, Sequence
 from pagedllm.core.scheduler import BeamBatch, Scheduler, SchedulerOutput
 from pagedllm.core.stop_policy import StopPolicy
 from pagedllm.engine.admission import AdmissionLimits, check_request, tokenize_prompt
-from pagedllm.engine.output_processor import NewToken, OutputProcessor
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.model_source import resolve_model_dir
 from pagedllm.models import CausalLM, load_model
@@ -27,7 +27,8 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.attention_backend import attention_backend_named, select_attention_backend
 from pagedllm.worker.beam_sampler import beam_candidates
 from pagedllm.worker.model_runner import BatchLimits, ModelRunner
-from pagedllm.worker.sampler import PenaltyState, Sampler, SamplingRow, make_generator, needs_penalties
+from pagedllm.worker.sampler import (PenaltyState, SampledToken, Sampler, SamplingRow, make_generator,
+                                     needs_penalties)
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,8 @@ class LLMEngine:
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer)
         self._requests: dict[str, Request] = {}
-        self._generators: dict[int, torch.Generator | None] = {}
-        self._penalties: dict[int, PenaltyState] = {}
+        # Each live sample's sampler row, built once: it changes only while min_tokens holds back its stops.
+        self._rows: dict[int, SamplingRow] = {}
         self._pending_aborts: set[str] = set()
         self._peak_tokens_held = 0
         self._prompt_tokens_total = 0
@@ -195,7 +196,7 @@ class LLMEngine:
             for index, hyp in enumerate(search.best(request.params.n))
         ]
 
-    def _emit_all(self, samples: Seq[Sequence], tokens: Seq[NewToken | None],
+    def _emit_all(self, samples: Seq[Sequence], tokens: Seq[SampledToken | None],
                   deltas: dict[str, list[CompletionDelta]], errors: dict[str, str]) -> None:
         """Output processing of a step: each sample's text delta, stop strings."""
         for seq, token in zip(samples, tokens):
@@ -210,41 +211,41 @@ class LLMEngine:
                 continue
             deltas.setdefault(seq.request.request_id, []).append(delta)
 
-    def _sample(self, logits: torch.Tensor, samples: Seq[Sequence], errors: dict[str, str]) -> list[NewToken | None]:
+    def _sample(self, logits: torch.Tensor, samples: Seq[Sequence],
+                errors: dict[str, str]) -> list[SampledToken | None]:
         """One token per sample; a row whose parameters make the sampler fail gets None (and an error)."""
         rows = [self._sampling_row(seq) for seq in samples]
         try:
-            return [NewToken(t.token_id, t.logprob, t.top_logprobs) for t in self.sampler(logits, rows)]
+            return list(self.sampler(logits, rows))
         except Exception:
             log.exception("batched sampling failed; retrying row by row to find the faulty request")
-        tokens: list[NewToken | None] = []
+        tokens: list[SampledToken | None] = []
         for index, (seq, row) in enumerate(zip(samples, rows)):
             try:
-                (t,) = self.sampler(logits[index : index + 1], [row])
-                tokens.append(NewToken(t.token_id, t.logprob, t.top_logprobs))
+                (token,) = self.sampler(logits[index : index + 1], [row])
+                tokens.append(token)
             except Exception as error:
                 errors[seq.request.request_id] = f"sampling failed: {error}"
                 tokens.append(None)
         return tokens
 
-    def _emit(self, seq: Sequence, token: NewToken) -> CompletionDelta:
+    def _emit(self, seq: Sequence, token: SampledToken) -> CompletionDelta:
         if seq.num_output_tokens == 1 and seq.index == 0:
             self._prompt_tokens_total += seq.num_prompt_tokens
         self._generation_tokens_total += 1
         seq.cumulative_logprob += token.logprob
-        penalties = self._penalties.get(seq.seq_id)
+        penalties = self._rows[seq.seq_id].penalties
         if penalties is not None:
             penalties.append(token.token_id)
-        processed = self.outputs.process(seq, token)
-        if processed.hit_stop_string:
+        delta = self.outputs.process(seq, token)
+        if delta.finish_reason == "stop" and seq.finish_reason != "stop":  # a stop string, which only the text shows
             if seq.is_finished:
                 seq.finish_reason = "stop"
             else:
                 self.scheduler.finish(seq, "stop")
         if seq.is_finished:
-            self._generators.pop(seq.seq_id, None)
-            self._penalties.pop(seq.seq_id, None)
-        return processed.delta
+            del self._rows[seq.seq_id]
+        return delta
 
     def _fail(self, request: Request, message: str) -> None:
         """End every sample of ``request`` because it faulted; the rest of the batch carries on."""
@@ -254,8 +255,7 @@ class LLMEngine:
             self._release(seq)
 
     def _release(self, seq: Sequence) -> str:
-        self._generators.pop(seq.seq_id, None)
-        self._penalties.pop(seq.seq_id, None)
+        self._rows.pop(seq.seq_id, None)
         return self.outputs.close(seq)
 
     def _apply_aborts(self, deltas: dict[str, list[CompletionDelta]]) -> None:
@@ -291,18 +291,17 @@ class LLMEngine:
 
     def _track_sequence(self, seq: Sequence) -> None:
         params = seq.request.params
-        self._generators[seq.seq_id] = make_generator(params.seed, seq.index, self.device)
-        if needs_penalties(params):
-            self._penalties[seq.seq_id] = PenaltyState(seq.prompt_token_ids, seq.output_token_ids)
+        penalties = PenaltyState(seq.prompt_token_ids, seq.output_token_ids) if needs_penalties(params) else None
+        self._rows[seq.seq_id] = SamplingRow(params, make_generator(params.seed, seq.index, self.device), penalties, ())
         self.outputs.add(seq)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        params = seq.request.params
-        suppressed: tuple[int, ...] = ()
+        row = self._rows[seq.seq_id]
+        params = row.params
         if seq.num_output_tokens < params.min_tokens:
             eos = () if params.ignore_eos else tuple(self.eos_token_ids)
-            suppressed = (*eos, *params.stop_token_ids)
-        return SamplingRow(params, self._generators.get(seq.seq_id), self._penalties.get(seq.seq_id), suppressed)
+            return SamplingRow(params, row.generator, row.penalties, (*eos, *params.stop_token_ids))
+        return row
 
     def _track_usage(self, out: SchedulerOutput) -> None:
         if self.kv.num_used_blocks < self.kv.peak_blocks_used:

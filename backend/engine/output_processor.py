@@ -6,26 +6,12 @@ which ends the sample. One incremental detokenizer per live sequence.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from transformers import PreTrainedTokenizerBase
 
 from pagedllm.core.request import Request, Sequence
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.outputs import CompletionDelta
-
-
-@dataclass(frozen=True, slots=True)
-class NewToken:
-    token_id: int
-    logprob: float
-    top_logprobs: dict[int, float] | None
-
-
-@dataclass(frozen=True, slots=True)
-class ProcessedToken:
-    delta: CompletionDelta
-    hit_stop_string: bool  # the engine must end the sample with reason "stop"
+from pagedllm.worker.sampler import SampledToken
 
 
 class OutputProcessor:
@@ -39,25 +25,29 @@ class OutputProcessor:
         self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                                                 request.params)
 
-    def process(self, seq: Sequence, token: NewToken) -> ProcessedToken:
-        """The delta for ``token``, just appended to ``seq`` (which the scheduler may already have finished)."""
+    def process(self, seq: Sequence, token: SampledToken) -> CompletionDelta:
+        """The delta for ``token``, just appended to ``seq`` (which the scheduler may already have finished).
+
+        Its finish reason is "stop" when a stop string ended the sample; the engine must then end it.
+        """
         params = seq.request.params
         detokenizer = self._detokenizers[seq.seq_id]
-        stop_token = seq.finish_reason == "stop"
+        reason = seq.finish_reason
+        stop_string = None
         # As in vLLM, the EOS / stop token that ends a sample is not part of its text.
-        if stop_token and not params.include_stop_str_in_output:
-            text, stop_string = "", None
+        if reason == "stop" and not params.include_stop_str_in_output:
+            text = ""
         else:
-            update = detokenizer.update([token.token_id])
+            update = detokenizer.update((token.token_id,))
             text, stop_string = update.text, update.stop_string
-        reason = "stop" if stop_string is not None else seq.finish_reason
+        if stop_string is not None:
+            reason = "stop"
+        elif reason is not None:
+            text += detokenizer.flush()
         if reason is not None:
-            if stop_string is None:
-                text += detokenizer.flush()
             del self._detokenizers[seq.seq_id]
         logprobs = (token.top_logprobs or {token.token_id: token.logprob},) if params.logprobs is not None else None
-        delta = CompletionDelta(seq.index, text, (token.token_id,), seq.cumulative_logprob, logprobs, reason)
-        return ProcessedToken(delta, stop_string is not None)
+        return CompletionDelta(seq.index, text, (token.token_id,), seq.cumulative_logprob, logprobs, reason)
 
     def decode(self, request: Request, token_ids: tuple[int, ...], finish_reason: str) -> str:
         """The whole text of a finished beam hypothesis; as for samples, a stop token is not part of it."""
