@@ -60,7 +60,9 @@ def run(args: argparse.Namespace) -> None:
         llm = LLM(model=str(checkpoint), dtype="bfloat16", device="cuda", cuda_graphs=graphs,
                   max_num_seqs=max(batches), kv_cache_memory_gb=args.kv_cache_gb, enable_prefix_caching=False)
         build_s[graphs] = time.perf_counter() - start
-        llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        # Eager steps compile Triton kernels on each new batch shape; neither side should time that.
+        for batch in batches:
+            llm.generate(prompts[:batch], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         results[graphs] = {batch: _timed_decode(llm, prompts[:batch], params) for batch in batches}
         del llm
         gc.collect()

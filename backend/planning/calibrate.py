@@ -83,9 +83,10 @@ def calibrate(model_dir: Path, device: str = "cpu", dtype: str = "auto", block_s
     num_blocks = widest * -(-longest // block_size) + 1
     config = EngineConfig(model=str(model_dir), dtype=dtype, device=device, block_size=block_size,
                           num_kv_blocks=num_blocks, max_num_seqs=widest,
-                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=longest)
+                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=longest,
+                          enable_prefix_caching=False)  # repeated passes must not hit cached prompts
     engine = LLMEngine(config)
-    null = NullEngine(num_blocks, block_size, config.max_num_seqs, max_num_batched_tokens)
+    null = NullEngine(num_blocks, block_size, config.max_num_seqs, max_num_batched_tokens, enable_prefix_caching=False)
     generator = torch.Generator().manual_seed(0)
     vocab = engine.model.vocab_size
 
@@ -108,14 +109,16 @@ def calibrate(model_dir: Path, device: str = "cpu", dtype: str = "auto", block_s
             raise RuntimeError("the engine and its null replay diverged: the engine still has requests")
         return timed
 
-    # On CUDA the first step of each launch shape compiles Triton kernels (seconds): pass over every batch once
-    # untimed there, so the fit sees steady-state steps.
-    for batch in (WARM_UP, *batches) if engine.device.type == "cuda" else (WARM_UP,):
-        run(batch)
-    steps: list[TimedStep] = []
-    for _ in range(repeats):
-        for batch in batches:
-            steps += run(batch)
+    def timed_passes() -> list[TimedStep]:
+        generator.manual_seed(0)  # the same draws, so the same step shapes, every time
+        return [step for _ in range(repeats) for batch in batches for step in run(batch)]
+
+    run(WARM_UP)
+    if engine.device.type == "cuda":
+        # The first step of each launch shape compiles Triton kernels (up to a second each): an identical
+        # untimed pass first, so the fit sees steady-state steps.
+        timed_passes()
+    steps = timed_passes()
     spec = spec_from_config(model_dir.name, json.loads((model_dir / "config.json").read_text()))
     name = _DTYPE_NAMES[engine.dtype]
     cost = ModelCost.of(spec, name, name)
