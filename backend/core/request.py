@@ -95,9 +95,13 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        if self.params.use_beam_search:
-            return all(s.is_finished for s in self.sequences)
-        return len(self.sequences) == self.params.n and all(s.is_finished for s in self.sequences)
+        if not self.params.use_beam_search and len(self.sequences) != self.params.n:
+            return False
+        # A loop rather than all() over a generator: this runs for every request every step.
+        for seq in self.sequences:
+            if seq.status is not SequenceStatus.FINISHED:
+                return False
+        return True
 
     def spawn(self, token_ids: list[int]) -> Sequence:
         """A new sample of this request: the first holds the prompt, forks copy their parent's tokens."""

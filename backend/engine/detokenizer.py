@@ -80,19 +80,20 @@ class IncrementalDetokenizer:
         """Feed one step's new ids; return the text that may be emitted now."""
         if self._finished:
             raise ValueError("update() called after the sample finished (stop string or flush)")
-        new_text = []
+        text = ""
         ids = self._ids
         for token_id in new_token_ids:
             ids.append(token_id)
             chunk = self._stream.step(self._backend, token_id)
             if chunk is not None:
-                new_text.append(chunk)
+                text += chunk
                 self._num_decoded = len(ids)
         self._num_tokens += len(new_token_ids)
         previous_length = len(self.output_text)
-        self.output_text += "".join(new_text)
-        if not self._stops:  # nothing to find or hold back
-            return DetokenizerUpdate(self._release(len(self.output_text)), None)
+        self.output_text += text
+        if not self._stops:  # nothing to find or hold back: all of it goes out now
+            self._emitted = len(self.output_text)
+            return DetokenizerUpdate(text, None)
 
         # As in vLLM, stop strings count only once min_tokens tokens are out.
         if self._num_tokens > self._min_tokens:

@@ -129,7 +129,7 @@ class LLMEngine:
         a fault that cannot be attributed (the forward of the whole batch) raises."""
         deltas: dict[str, list[CompletionDelta]] = {}
         errors: dict[str, str] = {}
-        self._apply_aborts(deltas)
+        aborted = self._apply_aborts(deltas)
         if self.scheduler.has_work():
             out = self.scheduler.schedule()
             for child in out.forked:
@@ -138,7 +138,8 @@ class LLMEngine:
                 self._run(out, deltas, errors)
         for request_id in errors:
             deltas.setdefault(request_id, [])
-        return [self._request_output(request_id, items, errors.get(request_id)) for request_id, items in deltas.items()]
+        return [self._request_output(request_id, items, errors.get(request_id), request_id in aborted)
+                for request_id, items in deltas.items()]
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -230,7 +231,7 @@ class LLMEngine:
         return tokens
 
     def _emit(self, seq: Sequence, token: SampledToken) -> CompletionDelta:
-        if seq.num_output_tokens == 1 and seq.index == 0:
+        if seq.index == 0 and seq.num_output_tokens == 1:
             self._prompt_tokens_total += seq.num_prompt_tokens
         self._generation_tokens_total += 1
         seq.cumulative_logprob += token.logprob
@@ -258,11 +259,14 @@ class LLMEngine:
         self._rows.pop(seq.seq_id, None)
         return self.outputs.close(seq)
 
-    def _apply_aborts(self, deltas: dict[str, list[CompletionDelta]]) -> None:
+    def _apply_aborts(self, deltas: dict[str, list[CompletionDelta]]) -> set[str]:
+        """End the requests aborted since the previous step; returns their ids."""
+        aborted: set[str] = set()
         for request_id in self._pending_aborts:
             request = self._requests.get(request_id)
             if request is None:
                 continue
+            aborted.add(request_id)
             if request.params.use_beam_search:
                 for seq in request.sequences:
                     self.scheduler.finish(seq, "abort")
@@ -281,10 +285,12 @@ class LLMEngine:
                     logprob = seq.cumulative_logprob
                 deltas.setdefault(request_id, []).append(CompletionDelta(index, text, (), logprob, None, "abort"))
         self._pending_aborts.clear()
+        return aborted
 
-    def _request_output(self, request_id: str, items: list[CompletionDelta], error: str | None) -> RequestOutput:
+    def _request_output(self, request_id: str, items: list[CompletionDelta], error: str | None,
+                        aborted: bool) -> RequestOutput:
         request = self._requests[request_id]
-        finished = request.is_finished or error is not None or any(d.finish_reason == "abort" for d in items)
+        finished = aborted or error is not None or request.is_finished
         if finished:
             del self._requests[request_id]
         return RequestOutput(request_id, request.prompt, request.prompt_token_ids, tuple(items), finished, error)
