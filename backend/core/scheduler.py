@@ -35,7 +35,8 @@ from pagedllm.core.request import Request, Sequence, SequenceStatus
 from pagedllm.core.stop_policy import StopPolicy
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen, like the other records built per sequence per step: a frozen __init__ costs several times more.
+@dataclass(slots=True)
 class ScheduledSequence:
     seq: Sequence
     num_tokens: int  # tokens computed for it this step

@@ -62,7 +62,8 @@ class SamplingRow:
     suppressed_token_ids: tuple[int, ...]  # must not be sampled now (EOS/stop ids under min_tokens)
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen, like the other records built per token per step: a frozen __init__ costs several times more.
+@dataclass(slots=True)
 class SampledToken:
     token_id: int
     logprob: float  # of the chosen token under log_softmax of the unprocessed logits
