@@ -201,16 +201,17 @@ class LLMEngine:
                   deltas: dict[str, list[CompletionDelta]], errors: dict[str, str]) -> None:
         """Output processing of a step: each sample's text delta, stop strings."""
         for seq, token in zip(samples, tokens):
-            if token is None or seq.request.request_id in errors:
+            request_id = seq.request.request_id
+            if token is None or request_id in errors:
                 continue
             try:
                 delta = self._emit(seq, token)
             except Exception as error:  # a detokenizer or stop-string fault is this request's alone
-                log.exception("output processing failed for request %s", seq.request.request_id)
-                errors[seq.request.request_id] = f"output processing failed: {error}"
-                self._fail(seq.request, errors[seq.request.request_id])
+                log.exception("output processing failed for request %s", request_id)
+                errors[request_id] = f"output processing failed: {error}"
+                self._fail(seq.request, errors[request_id])
                 continue
-            deltas.setdefault(seq.request.request_id, []).append(delta)
+            deltas.setdefault(request_id, []).append(delta)
 
     def _sample(self, logits: torch.Tensor, samples: Seq[Sequence],
                 errors: dict[str, str]) -> list[SampledToken | None]:
