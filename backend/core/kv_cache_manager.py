@@ -157,9 +157,9 @@ class KVCacheManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Publish the content hash of every block of ``seq`` that is now full and computed."""
-        if not self.enable_prefix_caching:
-            return
         num_full = seq.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or num_full <= len(seq.block_hashes):  # most steps fill no block
+            return
         for index in range(len(seq.block_hashes), num_full):
             start = index * self.block_size
             tokens = tuple(seq.token_ids[start : start + self.block_size])

@@ -174,10 +174,11 @@ class Scheduler:
         if len(beam_candidates) != len(out.beams):
             raise ValueError(f"{len(beam_candidates)} candidate lists for {len(out.beams)} beam groups")
         for item in out.scheduled:
-            if item.seq.is_finished:  # ended (error) between schedule and update: its blocks are gone
+            seq = item.seq
+            if seq.is_finished:  # ended (error) between schedule and update: its blocks are gone
                 continue
-            item.seq.num_computed_tokens += item.num_tokens
-            self.kv.cache_full_blocks(item.seq)
+            seq.num_computed_tokens += item.num_tokens
+            self.kv.cache_full_blocks(seq)
         finished: list[Sequence] = []
         for seq, token_id in zip(out.samples, sampled_token_ids):
             if seq.is_finished:

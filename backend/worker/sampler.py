@@ -210,7 +210,7 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     for i, row in enumerate(rows):
         if row.generator is not None:
             noise[i].exponential_(generator=row.generator)
-    return (probs / noise).argmax(dim=-1)
+    return _argmax(probs / noise)
 
 
 def _results(raw: torch.Tensor, chosen: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
