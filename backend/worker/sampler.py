@@ -96,7 +96,6 @@ class Sampler:
         if not rows:
             return []
         raw = logits.float()
-        greedy_rows = [i for i, row in enumerate(rows) if row.params.greedy]
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         edits = any(row.suppressed_token_ids or needs_penalties(row.params) for row in rows)
         if not edits and not random_rows:  # the common greedy batch: nothing to copy or mask
@@ -106,6 +105,7 @@ class Sampler:
         apply_suppression(work, rows)
 
         chosen = torch.empty(len(rows), dtype=torch.long, device=work.device)
+        greedy_rows = [i for i, row in enumerate(rows) if row.params.greedy]
         if greedy_rows:
             index = _index(greedy_rows, work.device)
             chosen[index] = _argmax(work[index])
