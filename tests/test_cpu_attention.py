@@ -16,7 +16,7 @@ from pagedllm.worker.attention_backend import (
     torch_backend,
 )
 from pagedllm.worker.attention_metadata import AttentionMetadata
-from pagedllm.worker.cpu_attention import DECODE_BATCH_FILL, CpuAttentionPlan
+from pagedllm.worker.cpu_attention import DECODE_BATCH_FILL, CpuAttentionPlan, new_cpu_cache
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
@@ -66,9 +66,19 @@ def metadata_of(batch: PagedBatch) -> AttentionMetadata:
     )
 
 
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same values in the engine's CPU cache layout."""
+    stored = new_cpu_cache(tuple(cache.shape), cache.dtype, cache.device)
+    assert stored.permute(2, 0, 1, 3).is_contiguous()
+    return stored.copy_(cache)
+
+
+@pytest.mark.parametrize("layout", ["head-major", "contiguous"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_torch_backend_matches_reference(case: Case) -> None:
+def test_torch_backend_matches_reference(case: Case, layout: str) -> None:
     batch = make_batch(case)
+    if layout == "head-major":
+        batch = replace(batch, k_cache=head_major(batch.k_cache), v_cache=head_major(batch.v_cache))
     backend = torch_backend()
     actual = backend.attend(batch.q, batch.k_cache, batch.v_cache, backend.plan(metadata_of(batch)), batch.scale)
     expected = unified_attention_ref(*batch.args())
@@ -163,8 +173,8 @@ def test_write_kv_cpu_scatters_like_reference(slots: list[int], cache_dtype: tor
     generator = torch.Generator().manual_seed(7)
     fused = torch.randn(len(slots), 3 * 2 * 24, generator=generator)  # strided views, as the qkv split gives
     key, value = fused[:, 48:96].view(-1, 2, 24), fused[:, 96:].view(-1, 2, 24)
-    k_cache, v_cache = (torch.randn(6, 8, 2, 24, generator=generator).to(cache_dtype) for _ in range(2))
-    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    k_expected, v_expected = (torch.randn(6, 8, 2, 24, generator=generator).to(cache_dtype) for _ in range(2))
+    k_cache, v_cache = head_major(k_expected), head_major(v_expected)
     slot_mapping = torch.tensor(slots, dtype=torch.int64)
     write_kv_ref(key, value, k_expected, v_expected, slot_mapping)
     torch_backend().write_kv(key, value, k_cache, v_cache, slot_mapping)

@@ -23,7 +23,7 @@ import torch
 from pagedllm.bench.models import bench_model
 from pagedllm.models import CausalLM, load_model
 from pagedllm.testing.paged_batch import PagedBatch, random_paged_batch
-from pagedllm.worker.attention_backend import REFERENCE_BACKEND, torch_backend
+from pagedllm.worker.attention_backend import REFERENCE_BACKEND, AttentionBackend, torch_backend
 from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.worker.cpu_attention import CpuAttentionPlan, plan_cpu_attention
 
@@ -95,18 +95,23 @@ def layer_rows(workload: Workload) -> list[CpuRow]:
                 batch = decode_batch(num_seqs, context, num_heads, num_kv_heads, head_dim, generator)
                 production = torch_backend()
                 planned = production.plan(metadata_of(batch))
+                k_cache, v_cache = (_in_layout(production, cache) for cache in (batch.k_cache, batch.v_cache))
                 variants = {
                     "plan": lambda: _plan_fully(batch),
                     "reference": lambda: REFERENCE_BACKEND.attend(batch.q, batch.k_cache, batch.v_cache,
                                                                   metadata_of(batch), batch.scale),
-                    "production": lambda: production.attend(batch.q, batch.k_cache, batch.v_cache, planned,
-                                                            batch.scale),
+                    "production": lambda: production.attend(batch.q, k_cache, v_cache, planned, batch.scale),
                 }
                 times = interleaved(variants, workload.reps)
                 rows.append(CpuRow("cpu layer", f"{size} heads {num_heads}/{num_kv_heads} x {num_seqs} seqs x ctx "
                                    f"~{context}", times["reference"], times["production"], times["plan"],
                                    relative_error(variants["production"](), variants["reference"]())))
     return rows
+
+
+def _in_layout(backend: AttentionBackend, cache: torch.Tensor) -> torch.Tensor:
+    """``cache``'s values in the memory layout ``backend`` allocates its caches in."""
+    return backend.new_cache(tuple(cache.shape), cache.dtype, cache.device).copy_(cache)
 
 
 def _plan_fully(batch: PagedBatch) -> None:
@@ -152,11 +157,15 @@ class _DecodeStep:
         shape = batch.k_cache.shape
         self.kv_caches = [(torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
                           for _ in range(model.num_layers)]
+        self._laid_out: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     @torch.inference_mode()
     def run(self, model: CausalLM) -> torch.Tensor:
-        planned = model.attention.plan(self.metadata)
-        hidden = model(self.input_ids, self.positions, self.kv_caches, planned)
+        backend = model.attention
+        if backend.name not in self._laid_out:
+            self._laid_out[backend.name] = [(_in_layout(backend, k), _in_layout(backend, v)) for k, v in self.kv_caches]
+        planned = backend.plan(self.metadata)
+        hidden = model(self.input_ids, self.positions, self._laid_out[backend.name], planned)
         return model.compute_logits(hidden)
 
 

@@ -21,24 +21,35 @@ import torch
 
 from pagedllm.kernels.reference import copy_blocks_ref, unified_attention_ref, write_kv_ref
 from pagedllm.worker.attention_metadata import AttentionMetadata
-from pagedllm.worker.cpu_attention import CpuPagedAttention, plan_cpu_attention, write_kv_cpu
+from pagedllm.worker.cpu_attention import CpuPagedAttention, new_cpu_cache, plan_cpu_attention, write_kv_cpu
 
 # Set to "1" to run the Triton-lang kernels even on CPU (with TRITON_INTERPRET=1).
 FORCE_TRITON_ENV = "PAGEDLLM_FORCE_TRITON"
 
 # attend(q, k_cache, v_cache, planned metadata, scale) -> [num_tokens, num_heads, head_dim]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+# new_cache((num_blocks, block_size, num_kv_heads, head_dim), dtype, device) -> a zeroed cache of that shape
+NewCache = Callable[[tuple[int, int, int, int], torch.dtype, torch.device], torch.Tensor]
+
+
+def _new_contiguous_cache(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True, slots=True)
 class AttentionBackend:
-    """The per-step plan and the three cache operations a model's attention layers need."""
+    """The per-step plan and the cache operations a model's attention layers need.
+
+    Every backend sees caches as ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+    ``new_cache`` chooses how that is laid out in memory.
+    """
 
     name: str
     plan: Callable[[AttentionMetadata], AttentionMetadata]  # pure; returns the metadata with this backend's plan
     attend: Attend
     write_kv: Callable[..., None]
     copy_blocks: Callable[..., None]
+    new_cache: NewCache = _new_contiguous_cache
 
 
 def _attend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
@@ -58,7 +69,8 @@ BACKEND_NAMES = ("torch", "triton", "torch-reference")
 
 def torch_backend() -> AttentionBackend:
     """The production plain-torch backend; each one owns its own reusable gather buffers."""
-    return AttentionBackend("torch", plan_cpu_attention, CpuPagedAttention().attend, write_kv_cpu, copy_blocks_ref)
+    return AttentionBackend("torch", plan_cpu_attention, CpuPagedAttention().attend, write_kv_cpu, copy_blocks_ref,
+                            new_cpu_cache)
 
 
 def triton_backend() -> AttentionBackend:

@@ -44,10 +44,8 @@ class ModelRunner:
         self.input_batch = InputBatch(limits.max_num_seqs, limits.max_num_batched_tokens, max_blocks_per_seq,
                                       block_size, device, pad_decodes=cuda_graphs)
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(model.num_layers)
-        ]
+        self.kv_caches = [(attention.new_cache(shape, dtype, device), attention.new_cache(shape, dtype, device))
+                          for _ in range(model.num_layers)]
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs:
             with torch.inference_mode():
