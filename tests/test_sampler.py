@@ -44,6 +44,15 @@ def test_greedy_is_argmax_and_ties_pick_lowest_id() -> None:
     assert [t.token_id for t in tokens] == logits[:3].argmax(dim=-1).tolist() + [5]
 
 
+def test_greedy_picks_what_torch_argmax_picks_with_infinities_and_nans() -> None:
+    logits = random_logits(4)
+    logits[0, 2] = logits[0, 7] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, 4] = logits[2, 9] = float("inf")
+    tokens = Sampler()(logits, [row(SamplingParams(temperature=0.0))] * 4)
+    assert [t.token_id for t in tokens] == logits.argmax(dim=-1).tolist() == [2, 0, 4, logits[3].argmax().item()]
+
+
 def test_sampler_does_not_modify_caller_logits() -> None:
     logits = random_logits(2)
     before = logits.clone()
