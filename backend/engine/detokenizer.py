@@ -50,8 +50,9 @@ class IncrementalDetokenizer:
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
         self._num_tokens = 0
-        # Every id fed to the stream, and how many of them it has turned into text: only
-        # flush() reads them, to decode a sample that ends mid-character.
+        # The ids fed to the stream (the last few it turned into text, then those it holds back),
+        # and how many of them it has turned into text: only flush() reads them, to decode a
+        # sample that ends mid-character.
         self._ids = list(prompt_token_ids[-_PRIME_WINDOW:])
         self._num_decoded = 0
         self._stream = self._primed_stream()
@@ -89,6 +90,9 @@ class IncrementalDetokenizer:
             if chunk is not None:
                 text += chunk
                 self._num_decoded = len(ids)
+        if self._num_decoded > 2 * _PRIME_WINDOW:  # keep only the context flush() may need
+            del ids[: self._num_decoded - _PRIME_WINDOW]
+            self._num_decoded = _PRIME_WINDOW
         self._num_tokens += len(new_token_ids)
         previous_length = len(self.output_text)
         self.output_text += text
