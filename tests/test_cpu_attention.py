@@ -16,7 +16,12 @@ from pagedllm.worker.attention_backend import (
     torch_backend,
 )
 from pagedllm.worker.attention_metadata import AttentionMetadata
-from pagedllm.worker.cpu_attention import DECODE_BATCH_FILL, CpuAttentionPlan, new_cpu_cache
+from pagedllm.worker.cpu_attention import (
+    DECODE_BATCH_FILL,
+    MIN_SHARED_PREFIX_BLOCKS,
+    CpuAttentionPlan,
+    new_cpu_cache,
+)
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
@@ -156,6 +161,44 @@ def test_decodes_batch_by_similar_length_and_prefills_attend_alone() -> None:
     # A chunk after earlier context is masked; a whole prompt uses SDPA's own causal mode.
     assert [chunk.mask is None for chunk in layout.prefills] == [False, True]
     assert sorted(int(token) for batch in layout.decodes for token in batch.tokens) == [0, 11]
+
+
+def sharing_batch(dtype: torch.dtype) -> PagedBatch:
+    """Decodes 0-3 start with the same 6 blocks (as prefix caching leaves them), decode 4 shares its first
+    block with 5 only, sequence 5 is a prefill chunk, and decode 6 shares nothing; block 16, 8 KV heads."""
+    case = Case((1, 1, 1, 1, 1, 9, 1), (97, 120, 200, 113, 70, 60, 150), 8, 2, 64, 16, dtype)
+    batch = make_batch(case, seed=3)
+    table = batch.block_table.clone()
+    table[1:4, :6] = table[0, :6]
+    table[5, 0] = table[4, 0]
+    return replace(batch, block_table=table, k_cache=head_major(batch.k_cache), v_cache=head_major(batch.v_cache))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decodes_sharing_a_prefix_attend_to_it_once_and_match_the_reference(dtype: torch.dtype) -> None:
+    batch = sharing_batch(dtype)
+    backend = torch_backend()
+    planned = backend.plan(metadata_of(batch))
+    layout = planned.plan.layout(16, dtype)
+    # Only 0-3 form a group (4 and 5 share one block, and 5 is not decoding); the shared
+    # part stops before the shortest member's newest token.
+    assert [(sorted(p.tokens.tolist()), p.num_blocks) for p in layout.shared_prefixes] == [([0, 1, 2, 3], 6)]
+    assert 6 >= MIN_SHARED_PREFIX_BLOCKS and not layout.decodes_in_order
+    actual = backend.attend(batch.q, batch.k_cache, batch.v_cache, planned, batch.scale)
+    expected = unified_attention_ref(*batch.args())
+    torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_a_prefix_ending_at_a_members_newest_token_is_shared_only_before_it() -> None:
+    """A member whose newest token sits in the block after the shared ones keeps that block as its own."""
+    batch = sharing_batch(torch.float32)
+    seq_lens = batch.seq_lens.clone()
+    seq_lens[0] = 5 * 16 + 1  # its newest token opens block 5, which the others share
+    batch = replace(batch, seq_lens=seq_lens)
+    planned = torch_backend().plan(metadata_of(batch))
+    assert [p.num_blocks for p in planned.plan.layout(16, torch.float32).shared_prefixes] == [5]
+    actual = torch_backend().attend(batch.q, batch.k_cache, batch.v_cache, planned, batch.scale)
+    torch.testing.assert_close(actual, unified_attention_ref(*batch.args()), atol=1e-5, rtol=0)
 
 
 def test_an_empty_batch_attends_to_nothing() -> None:

@@ -46,6 +46,9 @@ from pagedllm.worker.attention_metadata import AttentionMetadata
 # Measured on long-tail contexts (10-2000 tokens), one layer: 32 sequences 43 ms in one
 # batch, 28 ms at 0.5, 27 ms at 0.7; 128 sequences 90, 68 and 59 ms.
 DECODE_BATCH_FILL = 0.7
+# Decodes whose block tables start with the same blocks (prefix caching, forks) attend to that shared
+# prefix together once it is at least this long; below it, the extra call costs more than it saves.
+MIN_SHARED_PREFIX_BLOCKS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,21 @@ class DecodeBatch:
     num_seqs: int
     blocks_per_seq: int
     mask: torch.Tensor | None  # additive [num_seqs, 1, 1, keys]; None when every key is real
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefix:
+    """Decodes that start with the same blocks: their queries attend to those blocks as one block of rows.
+
+    The blocks are gathered once instead of once per sequence, and the attention is a
+    matrix product instead of one matrix-vector product per sequence (cascade attention).
+    Each sequence's own blocks after the prefix go through its :class:`DecodeBatch`; the
+    two partial results merge by their log-sum-exps.
+    """
+
+    tokens: torch.Tensor  # int64 [num_seqs]: each sharing sequence's query token
+    first_block: int
+    num_blocks: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +97,10 @@ class StepLayout:
 
     block_ids: torch.Tensor  # int64 [rows]: every group's blocks, gathered in one index_select
     decodes: tuple[DecodeBatch, ...]
+    shared_prefixes: tuple[SharedPrefix, ...]
     prefills: tuple[PrefillChunk, ...]
-    # All decodes, in one batch, in the batch's own order: the queries need no reordering.
+    # All decodes, in one batch, in the batch's own order, none with a shared prefix: the
+    # queries need no reordering and the batch's result is the answer.
     decodes_in_order: bool
 
 
@@ -123,11 +143,23 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype) -> Step
     block_ids: list[np.ndarray] = []
     rows = 0
 
+    decoding = np.flatnonzero(query_lens == 1)
+    skipped = np.zeros_like(num_blocks)  # leading blocks a decode attends to through its shared prefix
+    shared_prefixes = []
+    for seqs, shared in _shared_prefixes(decoding, plan.block_table, plan.seq_lens, block_size):
+        block_ids.append(plan.block_table[seqs[0], :shared])
+        shared_prefixes.append(SharedPrefix(_tensor(plan.starts[seqs], plan.device), rows, shared))
+        skipped[seqs] = shared
+        rows += shared
+
     decodes = []
-    for seqs in _decode_batches(np.flatnonzero(query_lens == 1), num_blocks):
-        width = int(num_blocks[seqs].max())
-        block_ids.append(plan.block_table[seqs, :width].reshape(-1))
-        lens = plan.seq_lens[seqs]
+    own_blocks = num_blocks - skipped
+    for seqs in _decode_batches(decoding, own_blocks):
+        width = int(own_blocks[seqs].max())
+        # Columns past a row's own blocks hold whatever the table has there; the mask hides them.
+        columns = np.minimum(skipped[seqs, None] + np.arange(width)[None, :], plan.block_table.shape[1] - 1)
+        block_ids.append(np.take_along_axis(plan.block_table[seqs], columns, axis=1).reshape(-1))
+        lens = plan.seq_lens[seqs] - skipped[seqs] * block_size
         visible = np.arange(width * block_size)[None, :] < lens[:, None]
         decodes.append(DecodeBatch(
             tokens=_tensor(plan.starts[seqs], plan.device),
@@ -149,8 +181,33 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype) -> Step
 
     ids = np.concatenate(block_ids) if block_ids else np.zeros(0, dtype=np.int64)
     # Every sequence decodes, in one batch: _decode_batches kept them in the batch's order.
-    in_order = len(decodes) == 1 and decodes[0].num_seqs == len(query_lens)
-    return StepLayout(_tensor(ids, plan.device), tuple(decodes), tuple(prefills), in_order)
+    in_order = len(decodes) == 1 and decodes[0].num_seqs == len(query_lens) and not shared_prefixes
+    return StepLayout(_tensor(ids, plan.device), tuple(decodes), tuple(shared_prefixes), tuple(prefills), in_order)
+
+
+def _shared_prefixes(seqs: np.ndarray, block_table: np.ndarray, seq_lens: np.ndarray,
+                     block_size: int) -> list[tuple[np.ndarray, int]]:
+    """Groups of decodes whose tables start with the same blocks, and how many blocks they share.
+
+    A shared block holds the same tokens for every sequence that has it (prefix caching
+    shares only full blocks; a fork's shared last block is copied before it is written),
+    but only blocks before every member's newest token are used, so that all members see
+    all of the prefix.
+    """
+    by_first_block: dict[int, list[int]] = {}
+    for seq in seqs:
+        by_first_block.setdefault(int(block_table[seq, 0]), []).append(int(seq))
+    groups = []
+    for members in by_first_block.values():
+        if len(members) < 2:
+            continue
+        table = block_table[members]
+        same = (table == table[0]).all(axis=0)
+        shared = len(same) if same.all() else int(np.argmin(same))
+        shared = min(shared, (int(seq_lens[members].min()) - 1) // block_size)
+        if shared >= MIN_SHARED_PREFIX_BLOCKS:
+            groups.append((np.array(members), shared))
+    return groups
 
 
 def _decode_batches(seqs: np.ndarray, num_blocks: np.ndarray) -> list[np.ndarray]:
@@ -168,6 +225,12 @@ def _decode_batches(seqs: np.ndarray, num_blocks: np.ndarray) -> list[np.ndarray
         first = end
     # One batch: keep the caller's order, so that queries need no reordering.
     return [seqs] if len(batches) == 1 else batches
+
+
+def _attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's CPU flash kernel, which also returns each query row's log-sum-exp (natural log)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
 
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -242,12 +305,18 @@ class CpuPagedAttention:
         group = num_heads // num_kv_heads
 
         if layout.decodes_in_order:
-            attended = self._decode(q, keys, values, layout.decodes[0], scale, group)
+            attended, _ = self._decode(q, keys, values, layout.decodes[0], scale, group)
             return attended.reshape(num_tokens, num_heads, head_dim)
         out = torch.empty_like(q)
+        # Per token and head, the log-sum-exp of its scores: what merging a shared prefix's part needs.
+        lse = torch.empty(num_tokens, num_heads, dtype=torch.float32) if layout.shared_prefixes else None
         for batch in layout.decodes:
-            attended = self._decode(q.index_select(0, batch.tokens), keys, values, batch, scale, group)
+            attended, batch_lse = self._decode(q.index_select(0, batch.tokens), keys, values, batch, scale, group)
             out.index_copy_(0, batch.tokens, attended.reshape(batch.num_seqs, num_heads, head_dim))
+            if lse is not None:
+                lse.index_copy_(0, batch.tokens, batch_lse.reshape(batch.num_seqs, num_heads).float())
+        for prefix in layout.shared_prefixes:
+            self._merge_shared_prefix(q, keys, values, prefix, scale, out, lse)
         for chunk in layout.prefills:
             rows = slice(chunk.first_block, chunk.first_block + chunk.num_blocks)
             k = keys[:, rows].reshape(1, num_kv_heads, -1, head_dim)[:, :, : chunk.seq_len]
@@ -266,14 +335,41 @@ class CpuPagedAttention:
         batch: DecodeBatch,
         scale: float,
         group: int,
-    ) -> torch.Tensor:
-        """[num_seqs, num_kv_heads, group, head_dim]: a KV head's query heads attend as one query block."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_seqs, num_kv_heads, group, head_dim] and its log-sum-exps [num_seqs, num_kv_heads, group]:
+        a KV head's query heads attend as one query block."""
         num_kv_heads, _, _, head_dim = keys.shape
         rows = slice(batch.first_block, batch.first_block + batch.num_seqs * batch.blocks_per_seq)
         k = keys[:, rows].view(num_kv_heads, batch.num_seqs, -1, head_dim).transpose(0, 1)
         v = values[:, rows].view(num_kv_heads, batch.num_seqs, -1, head_dim).transpose(0, 1)
         queries = q.reshape(batch.num_seqs, num_kv_heads, group, head_dim)
-        return F.scaled_dot_product_attention(queries, k, v, attn_mask=batch.mask, scale=scale)
+        return _attention_with_lse(queries, k, v, batch.mask, scale)
+
+    @staticmethod
+    def _merge_shared_prefix(
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        keys: torch.Tensor,  # [num_kv_heads, rows, block_size, head_dim]
+        values: torch.Tensor,
+        prefix: SharedPrefix,
+        scale: float,
+        out: torch.Tensor,  # [num_tokens, num_heads, head_dim]: each token's attention over its own blocks
+        lse: torch.Tensor,  # [num_tokens, num_heads]: their log-sum-exps
+    ) -> None:
+        """Fold the shared prefix's attention into ``out`` for the tokens that share it."""
+        num_kv_heads, _, _, head_dim = keys.shape
+        num_seqs, num_heads = prefix.tokens.numel(), q.shape[1]
+        rows = slice(prefix.first_block, prefix.first_block + prefix.num_blocks)
+        k = keys[:, rows].reshape(1, num_kv_heads, -1, head_dim)
+        v = values[:, rows].reshape(1, num_kv_heads, -1, head_dim)
+        # Every sharing sequence's query heads of one KV head, stacked as that head's query rows.
+        queries = q.index_select(0, prefix.tokens).view(num_seqs, num_kv_heads, -1, head_dim).transpose(0, 1)
+        shared, shared_lse = _attention_with_lse(queries.reshape(1, num_kv_heads, -1, head_dim), k, v, None, scale)
+        shared = shared.view(num_kv_heads, num_seqs, -1, head_dim).transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
+        shared_lse = shared_lse.view(num_kv_heads, num_seqs, -1).transpose(0, 1).reshape(num_seqs, num_heads).float()
+        own, own_lse = out.index_select(0, prefix.tokens), lse.index_select(0, prefix.tokens)
+        total = torch.logaddexp(own_lse, shared_lse)
+        merged = own * torch.exp(own_lse - total)[..., None] + shared * torch.exp(shared_lse - total)[..., None]
+        out.index_copy_(0, prefix.tokens, merged.to(out.dtype))
 
     def _gather(self, name: str, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """The blocks ``block_ids`` of every KV head, ``[kv_heads, rows, block_size, head_dim]``, written
