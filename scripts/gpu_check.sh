@@ -9,7 +9,7 @@
 #            reference, and its host time per layer against an unplanned launch
 #   kernels  `pagedllm bench kernels` (correctness, decode bandwidth vs peak, prefill TFLOP/s, SDPA)
 #   plan     `pagedllm plan --calibrate` on this GPU beside the H200 data-sheet figures
-# The sections' programs are in scripts/gpu/. All together take about 5 minutes on an H200 (the timeouts
+# The sections' programs are in scripts/gpu/. All together took 3.5 minutes on an H200 (the timeouts
 # sum to 9.5). Tables go to stdout, JSON results to $OUT (or ./gpu-results). Exit 1 if any section failed.
 # Usage: bash scripts/gpu_check.sh [engine] [graphs] [launch] [kernels] [plan]
 set -uo pipefail
