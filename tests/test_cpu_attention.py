@@ -16,12 +16,8 @@ from pagedllm.worker.attention_backend import (
     torch_backend,
 )
 from pagedllm.worker.attention_metadata import AttentionMetadata
-from pagedllm.worker.cpu_attention import (
-    DECODE_BATCH_FILL,
-    MIN_SHARED_PREFIX_BLOCKS,
-    CpuAttentionPlan,
-    new_cpu_cache,
-)
+from pagedllm.worker.cpu_attention import new_cpu_cache
+from pagedllm.worker.cpu_attention_plan import DECODE_BATCH_FILL, MIN_SHARED_PREFIX_BLOCKS, CpuAttentionPlan
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 

@@ -25,7 +25,7 @@ from pagedllm.models import CausalLM, load_model
 from pagedllm.testing.paged_batch import PagedBatch, random_paged_batch
 from pagedllm.worker.attention_backend import REFERENCE_BACKEND, AttentionBackend, torch_backend
 from pagedllm.worker.attention_metadata import AttentionMetadata
-from pagedllm.worker.cpu_attention import CpuAttentionPlan, plan_cpu_attention
+from pagedllm.worker.cpu_attention_plan import CpuAttentionPlan, plan_cpu_attention
 
 BLOCK_SIZE = 16
 # The production backend must agree with the reference this closely (fp32), relative to

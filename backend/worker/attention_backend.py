@@ -21,7 +21,8 @@ import torch
 
 from pagedllm.kernels.reference import copy_blocks_ref, unified_attention_ref, write_kv_ref
 from pagedllm.worker.attention_metadata import AttentionMetadata
-from pagedllm.worker.cpu_attention import CpuPagedAttention, new_cpu_cache, plan_cpu_attention, write_kv_cpu
+from pagedllm.worker.cpu_attention import CpuPagedAttention, new_cpu_cache, write_kv_cpu
+from pagedllm.worker.cpu_attention_plan import plan_cpu_attention
 
 # Set to "1" to run the Triton-lang kernels even on CPU (with TRITON_INTERPRET=1).
 FORCE_TRITON_ENV = "PAGEDLLM_FORCE_TRITON"

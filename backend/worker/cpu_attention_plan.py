@@ -1,0 +1,219 @@
+"""The CPU attention's per-step plan: index math and masks, in numpy, once per step.
+
+:func:`plan_cpu_attention` keeps the step's lengths and block table on the host;
+the first layer derives a :class:`StepLayout` from them (it needs the cache's
+block size and dtype) and every later layer reuses it:
+
+* decodes (one query token) of similar context length share a padded batch in
+  which the query heads of one KV head form the "query" axis, so K/V are never
+  repeated per query head and the batch is a single fused SDPA;
+* decodes whose block tables start with the same blocks form a
+  :class:`SharedPrefix`, attended once for all of them (cascade attention);
+* each prefill chunk attends alone over its own context, causally.
+
+Every group's blocks are listed in one ``block_ids`` tensor, so a layer gathers
+K and V with one ``index_select`` each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from pagedllm.worker.attention_metadata import AttentionMetadata
+
+# Decodes join a padded batch while their block count is at least this share of the
+# batch's longest; below it, a new batch is cheaper than attending to the padding.
+# Measured on long-tail contexts (10-2000 tokens), one layer: 32 sequences 43 ms in one
+# batch, 28 ms at 0.5, 27 ms at 0.7; 128 sequences 90, 68 and 59 ms.
+DECODE_BATCH_FILL = 0.7
+# Decodes whose block tables start with the same blocks (prefix caching, forks) attend to that shared
+# prefix together once it is at least this long; below it, the extra call costs more than it saves.
+MIN_SHARED_PREFIX_BLOCKS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBatch:
+    """Decoding sequences padded to one width: one SDPA over ``[num_seqs, kv_heads, group, head_dim]``."""
+
+    tokens: torch.Tensor  # int64 [num_seqs]: each sequence's query token
+    first_block: int  # its first row in the step's gathered blocks
+    num_seqs: int
+    blocks_per_seq: int
+    mask: torch.Tensor | None  # additive [num_seqs, 1, 1, keys]; None when every key is real
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefix:
+    """Decodes that start with the same blocks: their queries attend to those blocks as one block of rows.
+
+    The blocks are gathered once instead of once per sequence, and the attention is a
+    matrix product instead of one matrix-vector product per sequence (cascade attention).
+    Each sequence's own blocks after the prefix go through its :class:`DecodeBatch`; the
+    two partial results merge by their log-sum-exps.
+    """
+
+    tokens: torch.Tensor  # int64 [num_seqs]: each sharing sequence's query token
+    first_block: int
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """One sequence's several new tokens: causal SDPA over its own context."""
+
+    start: int  # first flat token
+    query_len: int
+    seq_len: int  # keys it attends to: the gathered blocks' first seq_len slots
+    first_block: int
+    num_blocks: int
+    # Additive [query_len, seq_len] for a chunk after earlier context; None for a first chunk, which
+    # runs SDPA's own is_causal (1.1-1.8x faster than a mask for 512-2048-token prompts).
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class StepLayout:
+    """Everything a layer needs, for one block size and dtype."""
+
+    block_ids: torch.Tensor  # int64 [rows]: every group's blocks, gathered in one index_select
+    decodes: tuple[DecodeBatch, ...]
+    shared_prefixes: tuple[SharedPrefix, ...]
+    prefills: tuple[PrefillChunk, ...]
+    # All decodes, in one batch, in the batch's own order, none with a shared prefix: the
+    # queries need no reordering and the batch's result is the answer.
+    decodes_in_order: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CpuAttentionPlan:
+    """The step's lengths and block table on the host; layouts derived once per (block size, dtype).
+
+    The block size and dtype belong to the cache, which the metadata does not
+    describe, so the first layer derives the layout and every later layer reuses it.
+    """
+
+    starts: np.ndarray  # int64 [num_seqs + 1]
+    seq_lens: np.ndarray  # int64 [num_seqs]
+    block_table: np.ndarray  # int64 [num_seqs, width]
+    device: torch.device
+    layouts: dict[tuple[int, torch.dtype], StepLayout] = field(default_factory=dict)
+
+    def layout(self, block_size: int, dtype: torch.dtype) -> StepLayout:
+        key = (block_size, dtype)
+        if key not in self.layouts:
+            self.layouts[key] = _layout(self, block_size, dtype)
+        return self.layouts[key]
+
+
+def plan_cpu_attention(metadata: AttentionMetadata) -> AttentionMetadata:
+    """The metadata with a :class:`CpuAttentionPlan` attached; call once per step."""
+    plan = CpuAttentionPlan(
+        starts=metadata.query_start_loc.cpu().numpy().astype(np.int64),
+        seq_lens=metadata.seq_lens.cpu().numpy().astype(np.int64),
+        block_table=metadata.block_table.cpu().numpy().astype(np.int64),
+        device=metadata.block_table.device,
+    )
+    return replace(metadata, plan=plan)
+
+
+def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype) -> StepLayout:
+    """Index math in numpy, one host-to-torch conversion per tensor: this runs once per step."""
+    query_lens = np.diff(plan.starts)
+    num_blocks = -(-plan.seq_lens // block_size)
+    block_ids: list[np.ndarray] = []
+    rows = 0
+
+    decoding = np.flatnonzero(query_lens == 1)
+    skipped = np.zeros_like(num_blocks)  # leading blocks a decode attends to through its shared prefix
+    shared_prefixes = []
+    for seqs, shared in _shared_prefixes(decoding, plan.block_table, plan.seq_lens, block_size):
+        block_ids.append(plan.block_table[seqs[0], :shared])
+        shared_prefixes.append(SharedPrefix(_tensor(plan.starts[seqs], plan.device), rows, shared))
+        skipped[seqs] = shared
+        rows += shared
+
+    decodes = []
+    own_blocks = num_blocks - skipped
+    for seqs in _decode_batches(decoding, own_blocks):
+        width = int(own_blocks[seqs].max())
+        # Columns past a row's own blocks hold whatever the table has there; the mask hides them.
+        columns = np.minimum(skipped[seqs, None] + np.arange(width)[None, :], plan.block_table.shape[1] - 1)
+        block_ids.append(np.take_along_axis(plan.block_table[seqs], columns, axis=1).reshape(-1))
+        lens = plan.seq_lens[seqs] - skipped[seqs] * block_size
+        visible = np.arange(width * block_size)[None, :] < lens[:, None]
+        decodes.append(DecodeBatch(
+            tokens=_tensor(plan.starts[seqs], plan.device),
+            first_block=rows,
+            num_seqs=len(seqs),
+            blocks_per_seq=width,
+            mask=None if visible.all() else _additive(visible[:, None, None], dtype, plan.device),
+        ))
+        rows += len(seqs) * width
+
+    prefills = []
+    for seq in np.flatnonzero(query_lens > 1):
+        width, query_len, seq_len = int(num_blocks[seq]), int(query_lens[seq]), int(plan.seq_lens[seq])
+        block_ids.append(plan.block_table[seq, :width])
+        visible = np.arange(seq_len)[None, :] <= np.arange(seq_len - query_len, seq_len)[:, None]
+        mask = None if query_len == seq_len else _additive(visible, dtype, plan.device)
+        prefills.append(PrefillChunk(int(plan.starts[seq]), query_len, seq_len, rows, width, mask))
+        rows += width
+
+    ids = np.concatenate(block_ids) if block_ids else np.zeros(0, dtype=np.int64)
+    # Every sequence decodes, in one batch: _decode_batches kept them in the batch's order.
+    in_order = len(decodes) == 1 and decodes[0].num_seqs == len(query_lens) and not shared_prefixes
+    return StepLayout(_tensor(ids, plan.device), tuple(decodes), tuple(shared_prefixes), tuple(prefills), in_order)
+
+
+def _shared_prefixes(seqs: np.ndarray, block_table: np.ndarray, seq_lens: np.ndarray,
+                     block_size: int) -> list[tuple[np.ndarray, int]]:
+    """Groups of decodes whose tables start with the same blocks, and how many blocks they share.
+
+    A shared block holds the same tokens for every sequence that has it (prefix caching
+    shares only full blocks; a fork's shared last block is copied before it is written),
+    but only blocks before every member's newest token are used, so that all members see
+    all of the prefix.
+    """
+    by_first_block: dict[int, list[int]] = {}
+    for seq in seqs:
+        by_first_block.setdefault(int(block_table[seq, 0]), []).append(int(seq))
+    groups = []
+    for members in by_first_block.values():
+        if len(members) < 2:
+            continue
+        table = block_table[members]
+        same = (table == table[0]).all(axis=0)
+        shared = len(same) if same.all() else int(np.argmin(same))
+        shared = min(shared, (int(seq_lens[members].min()) - 1) // block_size)
+        if shared >= MIN_SHARED_PREFIX_BLOCKS:
+            groups.append((np.array(members), shared))
+    return groups
+
+
+def _decode_batches(seqs: np.ndarray, num_blocks: np.ndarray) -> list[np.ndarray]:
+    """Split decoding sequences into batches of similar block counts (all in one when they are alike)."""
+    if len(seqs) == 0:
+        return []
+    order = seqs[np.argsort(-num_blocks[seqs], kind="stable")]
+    descending = -num_blocks[order]
+    batches = []
+    first = 0
+    while first < len(order):
+        floor = num_blocks[order[first]] * DECODE_BATCH_FILL
+        end = int(np.searchsorted(descending, -floor, side="right"))
+        batches.append(order[first:end])
+        first = end
+    # One batch: keep the caller's order, so that queries need no reordering.
+    return [seqs] if len(batches) == 1 else batches
+
+
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+
+def _additive(visible: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """0 where visible, -inf elsewhere, in the queries' dtype (what SDPA adds to the scores)."""
+    mask = np.where(visible, np.float32(0.0), np.float32(-np.inf))
+    return torch.from_numpy(mask).to(device=device, dtype=dtype)
