@@ -63,6 +63,9 @@ class InputBatch:
         # One row per running sequence; rows are recycled when sequences finish or are preempted.
         self._tables = np.zeros((max_rows, max_blocks_per_seq), dtype=np.int64)
         self._table_lens = np.zeros(max_rows, dtype=np.int64)
+        # Each row's last written block id, as a Python int: most steps a decode's table is unchanged,
+        # and comparing ints skips a numpy write per sequence.
+        self._last_block: list[int | None] = [None] * max_rows
         self._row_of: dict[int, int] = {}
         self._free_rows = list(range(max_rows - 1, -1, -1))
 
@@ -138,12 +141,17 @@ class InputBatch:
             row = self._free_rows.pop()
             self._row_of[seq.seq_id] = row
             self._table_lens[row] = 0
+            self._last_block[row] = None
+        last = block_ids[-1] if block_ids else None
+        if last == self._last_block[row] and len(block_ids) == self._table_lens[row]:
+            return row
         known = int(self._table_lens[row])
         # The last known block may have been replaced by a copy-on-write: rewrite it too.
         start = max(known - 1, 0)
         if start < len(block_ids):
             self._tables[row, start : len(block_ids)] = block_ids[start:]
         self._table_lens[row] = len(block_ids)
+        self._last_block[row] = last
         return row
 
     def _release(self, seq_id: int) -> None:
