@@ -16,7 +16,7 @@ from pagedllm.worker.attention_backend import (
     torch_backend,
 )
 from pagedllm.worker.attention_metadata import AttentionMetadata
-from pagedllm.worker.cpu_attention import new_cpu_cache
+from pagedllm.worker.cpu_attention import attention_with_lse, math_attention_with_lse, new_cpu_cache
 from pagedllm.worker.cpu_attention_plan import DECODE_BATCH_FILL, MIN_SHARED_PREFIX_BLOCKS, CpuAttentionPlan
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
@@ -183,6 +183,19 @@ def test_decodes_sharing_a_prefix_attend_to_it_once_and_match_the_reference(dtyp
     actual = backend.attend(batch.q, batch.k_cache, batch.v_cache, planned, batch.scale)
     expected = unified_attention_ref(*batch.args())
     torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_the_log_sum_exp_off_cpu_is_the_flash_kernels() -> None:
+    """The formula other devices use gives what the CPU flash kernel gives, masked rows included."""
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(shape, generator=generator) for shape in ((3, 2, 4, 16), (3, 2, 40, 16), (3, 2, 40, 16)))
+    mask = torch.zeros(3, 1, 1, 40)
+    mask[1, ..., 25:] = float("-inf")
+    for attn_mask in (None, mask):
+        (out, lse), (want_out, want_lse) = (f(q, k, v, attn_mask, 0.25)
+                                            for f in (math_attention_with_lse, attention_with_lse))
+        torch.testing.assert_close(out, want_out, atol=1e-5, rtol=0)
+        torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=0)
 
 
 def test_a_prefix_ending_at_a_members_newest_token_is_shared_only_before_it() -> None:

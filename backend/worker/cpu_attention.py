@@ -34,10 +34,23 @@ from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.worker.cpu_attention_plan import CpuAttentionPlan, DecodeBatch, SharedPrefix
 
 
-def _attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """SDPA's CPU flash kernel, which also returns each query row's log-sum-exp (natural log)."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
+    """Attention and each query row's log-sum-exp (natural log): SDPA's CPU flash kernel, which returns
+    both, on CPU; the plain formula elsewhere (this backend on a GPU is for debugging only)."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
+    return math_attention_with_lse(q, k, v, mask, scale)
+
+
+def math_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_with_lse` spelled out in float32, on any device."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), v.float()).to(q.dtype), lse
 
 
 def new_cpu_cache(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -140,7 +153,7 @@ class CpuPagedAttention:
         k = keys[:, rows].view(num_kv_heads, batch.num_seqs, -1, head_dim).transpose(0, 1)
         v = values[:, rows].view(num_kv_heads, batch.num_seqs, -1, head_dim).transpose(0, 1)
         queries = q.reshape(batch.num_seqs, num_kv_heads, group, head_dim)
-        return _attention_with_lse(queries, k, v, batch.mask, scale)
+        return attention_with_lse(queries, k, v, batch.mask, scale)
 
     @staticmethod
     def _merge_shared_prefix(
@@ -160,7 +173,7 @@ class CpuPagedAttention:
         v = values[:, rows].reshape(1, num_kv_heads, -1, head_dim)
         # Every sharing sequence's query heads of one KV head, stacked as that head's query rows.
         queries = q.index_select(0, prefix.tokens).view(num_seqs, num_kv_heads, -1, head_dim).transpose(0, 1)
-        shared, shared_lse = _attention_with_lse(queries.reshape(1, num_kv_heads, -1, head_dim), k, v, None, scale)
+        shared, shared_lse = attention_with_lse(queries.reshape(1, num_kv_heads, -1, head_dim), k, v, None, scale)
         shared = shared.view(num_kv_heads, num_seqs, -1, head_dim).transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
         shared_lse = shared_lse.view(num_kv_heads, num_seqs, -1).transpose(0, 1).reshape(num_seqs, num_heads).float()
         own, own_lse = out.index_select(0, prefix.tokens), lse.index_select(0, prefix.tokens)
