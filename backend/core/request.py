@@ -68,7 +68,7 @@ class Sequence:
     def pending_forks(self) -> int:
         """Siblings this sequence will spawn when it samples its first token (``n > 1``, or the other beams)."""
         request = self.request
-        if len(self.token_ids) > self.num_prompt_tokens or self is not request.sequences[0]:
+        if self.num_output_tokens > 0 or self is not request.sequences[0]:
             return 0
         return request.fan_out - len(request.sequences)
 

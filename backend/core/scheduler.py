@@ -44,7 +44,7 @@ class ScheduledSequence:
     @property
     def completes_prefill(self) -> bool:
         """This step reaches the sequence's last token, so its logits get sampled (before the update)."""
-        return self.seq.num_computed_tokens + self.num_tokens == len(self.seq.token_ids)
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +144,7 @@ class Scheduler:
                 budget -= used
                 index += advance
                 continue
-            num_tokens = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate(seq, num_tokens):
                 victims = self._preempt_last()
                 preempted.extend(victims)

@@ -9,8 +9,8 @@ The cache is stored head-major (:func:`new_cpu_cache`): ``[kv_heads, blocks,
 block_size, head_dim]`` in memory, seen by everyone else as the usual
 ``[blocks, block_size, kv_heads, head_dim]``. Gathered blocks then give each
 (sequence, KV head) one contiguous ``[tokens, head_dim]`` matrix, which SDPA
-reads 1.6-2.5x faster than keys strided by the heads (32-64 sequences, 128-1024
-tokens, head_dim 64, 1 thread); the gather itself costs the same. Caches in
+reads 1.8-1.9x faster than keys strided by the heads (32-64 sequences, 256-1024
+tokens, head_dim 64, 1 thread: scripts/ab_cpu_attention.py); the gather costs the same. Caches in
 the usual layout still work, through a copy per layer.
 
 ``pagedllm.kernels.reference.unified_attention_ref`` stays the simple,
@@ -119,7 +119,8 @@ class CpuPagedAttention:
             return attended.reshape(num_tokens, num_heads, head_dim)
         out = torch.empty_like(q)
         # Per token and head, the log-sum-exp of its scores: what merging a shared prefix's part needs.
-        lse = torch.empty(num_tokens, num_heads, dtype=torch.float32) if layout.shared_prefixes else None
+        lse = (torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+               if layout.shared_prefixes else None)
         for batch in layout.decodes:
             attended, batch_lse = self._decode(q.index_select(0, batch.tokens), keys, values, batch, scale, group)
             out.index_copy_(0, batch.tokens, attended.reshape(batch.num_seqs, num_heads, head_dim))
