@@ -9,8 +9,8 @@ The cache is stored head-major (:func:`new_cpu_cache`): ``[kv_heads, blocks,
 block_size, head_dim]`` in memory, seen by everyone else as the usual
 ``[blocks, block_size, kv_heads, head_dim]``. Gathered blocks then give each
 (sequence, KV head) one contiguous ``[tokens, head_dim]`` matrix, which SDPA
-reads 1.8-1.9x faster than keys strided by the heads (32-64 sequences, 256-1024
-tokens, head_dim 64, 1 thread: scripts/ab_cpu_attention.py); the gather costs the same. Caches in
+reads 1.5-1.9x faster than keys strided by the heads (32-64 sequences, 256-1024
+tokens, head_dim 64, 1 thread: scripts/ab_cpu_choices.py); the gather costs the same. Caches in
 the usual layout still work, through a copy per layer.
 
 ``pagedllm.kernels.reference.unified_attention_ref`` stays the simple,

@@ -214,8 +214,8 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
 
 
 def _results(raw: torch.Tensor, chosen: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
-    # One fused log_softmax pass is twice as fast as gather - logsumexp (composite on CPU: 0.34 vs 0.58 ms at
-    # 256 x 2048, 6 vs 12 ms at 256 x 32000), and a token's logprob then equals its top_logprobs entry exactly.
+    # One fused log_softmax pass is about twice as fast as gather - logsumexp, which is composite on CPU
+    # (scripts/ab_cpu_choices.py), and a token's logprob then equals its top_logprobs entry exactly.
     logprobs = raw.log_softmax(dim=-1)
     chosen_logprob = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
     token_ids = chosen.tolist()
