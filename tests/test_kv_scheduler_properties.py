@@ -175,6 +175,34 @@ def test_forks_of_two_requests_in_chunked_prefill_stay_within_max_num_seqs() -> 
     assert all(request.is_finished for request in harness.requests)
 
 
+def test_a_preempted_beam_group_resumes_when_part_of_its_cached_prompt_was_evicted() -> None:
+    """With prefix caching, a preempted group's prompt blocks may be partly reused by others by the time it
+    returns; its beams must still share the leader's blocks, or the group outgrows the pool admission sized."""
+    prompt = list(range(1, 14))
+    prompt_blocks, longest_blocks = 13 // BLOCK_SIZE, -(-(13 + 12) // BLOCK_SIZE)
+    harness = Harness(num_blocks=prompt_blocks + 3 * (longest_blocks - prompt_blocks), budget=64, max_seqs=8,
+                      prefix_caching=True)
+    harness.add_beams(prompt, max_tokens=12, width=3, n=2)
+    (request,) = harness.requests
+    scheduler, kv = harness.engine.scheduler, harness.engine.kv
+    for _ in range(9):
+        harness.engine.step()
+    assert len(request.beams) == 3 and not request.is_finished
+    scheduler._preempt_last()
+    # The second prompt block is taken for other work: the cache now serves only the first.
+    second = tuple(prompt[BLOCK_SIZE : 2 * BLOCK_SIZE])
+    evicted = next(block for block in kv._cached.values() if block.tokens == second)
+    kv._cached.pop(evicted.block_hash)
+    evicted.block_hash, evicted.tokens, evicted.epoch = None, (), evicted.epoch + 1
+    for _ in range(200):
+        if not scheduler.has_work():
+            break
+        harness.engine.step()
+        harness.check()
+    assert request.is_finished, "the preempted group never resumed"
+    assert kv.num_free_blocks == kv.num_blocks
+
+
 def test_a_preempted_beam_group_waits_whole_and_resumes_whole() -> None:
     """Two width-3 groups whose beams all survive, in a pool that holds one group at full length only with
     its prompt shared (the engine's admission rule): the newer is preempted as a unit, requeued side by side,

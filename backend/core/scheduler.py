@@ -281,10 +281,14 @@ class Scheduler:
         forks = group[0].pending_forks
         if len(self.running) + self._reserved_forks + len(group) + forks > self.max_num_seqs:
             return None
-        matches = [self.kv.match_prefix(beam) if beam.num_computed_tokens == 0 else NO_MATCH for beam in group]
+        # Only the leader takes blocks from the prefix cache; the others share the leader's blocks as it
+        # computes them (waiting until it has). A beam adopting its own, possibly shorter, cached prefix
+        # would recompute the rest alone and could need more blocks than admission allowed, forever.
+        leader = group[0]
+        matches = [self.kv.match_prefix(leader) if leader.num_computed_tokens == 0 else NO_MATCH]
+        matches += [NO_MATCH] * (len(group) - 1)
         cached = [len(match.blocks) * self.kv.block_size for match in matches]
-        # Nothing of the group is computed yet: a beam the cache does not serve waits for the leader.
-        ready = [bool(match.blocks) or self._join_leader(request, beam) for beam, match in zip(group, matches)]
+        ready = [self._join_leader(request, beam) for beam in group]
         chunks = beam_chunks(
             [beam.num_tokens - beam.num_computed_tokens - n for beam, n in zip(group, cached)], ready, budget)
         if not any(chunks):
