@@ -218,16 +218,18 @@ class TritonPythonModel:
     def _on_engine_death(self, reason: str) -> None:
         """Loop thread, dying: make Triton stop routing here, as vllm_backend's health check does."""
         self._logger.log_error(f"[pagedllm] {reason}; unloading model {self._model_name!r}")
-        if self._supervision is not None:  # the launcher reloads a model that recorded its death
-            try:
-                self._supervision.record_death(self._model_name, reason)
-            except OSError as error:
-                self._logger.log_error(f"[pagedllm] could not tell pagedllm serve to reload the model: {error}")
         try:
             pb_utils.unload_model(self._model_name)  # returns at once; Triton unloads us later
         except Exception as error:  # only allowed with --model-control-mode=explicit
             self._logger.log_warn(f"[pagedllm] could not unload the model ({error}): it stays listed as ready "
                                   "and answers UNAVAILABLE")
+        # Only now: the launcher reloads a model that recorded its death, and that load must reach Triton
+        # after this unload, or the unload would remove the fresh instance.
+        if self._supervision is not None:
+            try:
+                self._supervision.record_death(self._model_name, reason)
+            except OSError as error:
+                self._logger.log_error(f"[pagedllm] could not tell pagedllm serve to reload the model: {error}")
 
     def _push(self, key: str, sender: Any, item: Data | Failure) -> None:
         try:

@@ -43,6 +43,8 @@ def test_the_generated_repository_serves_the_folder_with_the_engine_args(
     (["--engine-arg", "max_model_len=many"], "max_model_len"),
     (["--engine-arg", "model=/elsewhere"], "pass the model with --model"),
     (["--model-repository", "."], "exclude each other"),
+    (["--health-port", "70000"], "--health-port must be a port number in [0, 65535], got 70000"),
+    (["--openai-port", "-1"], "--openai-port must be a port number in [0, 65535], got -1"),
 ])
 def test_bad_model_flags_fail_before_tritonserver_and_leave_no_scratch(
         tiny_model_dir: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

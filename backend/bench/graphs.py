@@ -47,7 +47,12 @@ def run(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("pagedllm bench graphs needs a CUDA GPU")
     batches = [int(b) for b in args.batches.split(",")]
-    checkpoint = random_checkpoint(resolve_model(args.shape), Path(tempfile.mkdtemp()) / "model", args.layers)
+    # The random checkpoint is gigabytes: it goes when the benchmark ends.
+    with tempfile.TemporaryDirectory(prefix="pagedllm-graphs-") as scratch:
+        _compare(args, batches, random_checkpoint(resolve_model(args.shape), Path(scratch) / "model", args.layers))
+
+
+def _compare(args: argparse.Namespace, batches: list[int], checkpoint: Path) -> None:
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
     generator = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(3, vocab, (args.prompt_len,), generator=generator).tolist()}

@@ -101,6 +101,11 @@ def _serve(args: argparse.Namespace, scratch: Path | None, supervision: Path) ->
     try:
         if args.max_reloads < 1:
             raise ValueError(f"--max-reloads must be >= 1, got {args.max_reloads}")
+        # Checked before the model loads, which may take minutes (bind() raises OverflowError past 65535).
+        for flag, port in (("--health-port", args.health_port), ("--openai-port", args.openai_port)):
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{flag} must be a port number in [0, 65535], got {port}")
+        supervision.mkdir(parents=True, exist_ok=True)  # a caller-named folder may not exist yet
         if not args.model and (args.engine_arg or args.served_model_name):
             raise ValueError("--engine-arg and --served-model-name go with --model")
         repository = generated_repository(args, scratch) if scratch else args.model_repository or bundled_model_repository()
