@@ -149,13 +149,15 @@ def _serve(args: argparse.Namespace, scratch: Path | None, supervision: Path) ->
         print(f"error: {error}", file=sys.stderr)
         return 1
     local_http = f"127.0.0.1:{server.http_port}" if args.host in ("0.0.0.0", "::") else server.http_url
+    local_metrics = f"{local_http.rsplit(':', 1)[0]}:{server.metrics_port}"
     served = sorted(p.name for p in repository.iterdir() if (p / "config.pbtxt").is_file())
     health: HealthServer | None = None
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         if args.health_port is not None:
             try:
-                health = HealthServer(args.host, args.health_port, lambda: local_http, lambda: served).start()
+                health = HealthServer(args.host, args.health_port, lambda: local_http, lambda: served,
+                                      metrics_url=lambda: local_metrics).start()
             except OSError as error:
                 print(f"error: --health-port {args.health_port}: {error}", file=sys.stderr)
                 return 1

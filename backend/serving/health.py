@@ -5,7 +5,9 @@ readiness stays true over a dead backend stub. ``GET /health`` here sends every
 served model a one-token greedy ``generate`` through Triton's HTTP endpoint (so the
 request crosses Triton, the stub, the engine loop and one model step) and answers
 200 ``ok`` when each returned within ``timeout_s``, else 503 naming the model and
-what went wrong. Probes run one at a time, so eager probers queue here, not in the engine.
+what went wrong. A probe that times out while the model's generated-token count grows
+passes: the engine is busy, not dead. Probes run one at a time, so eager probers queue
+here, not in the engine.
 
 Where there is no launcher (a KServe pod runs tritonserver itself), the same check
 runs as a command, for an ``exec`` liveness probe:
@@ -26,8 +28,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 PROBE_BODY = json.dumps({"text_input": "a", "max_tokens": 1, "temperature": 0, "stream": False}).encode()
 
 
-def probe_model(http_url: str, model: str, timeout_s: float) -> str | None:
-    """None when ``model`` generated one token within ``timeout_s``, else what went wrong."""
+def probe_model(http_url: str, model: str, timeout_s: float, metrics_url: str | None = None) -> str | None:
+    """None when ``model`` generated one token within ``timeout_s``, else what went wrong.
+
+    A busy engine serves requests first come, first served, so the probe can wait behind a full
+    queue. With ``metrics_url``, a probe that timed out still passes when the model's
+    ``pagedllm:generation_tokens_total`` grew meanwhile: the engine is alive, only busy, and a
+    liveness restart would drop every request in flight.
+    """
+    before = generated_tokens(metrics_url, model, timeout_s) if metrics_url else None
     request = urllib.request.Request(f"http://{http_url}/v2/models/{model}/generate", data=PROBE_BODY,
                                      headers={"Content-Type": "application/json"}, method="POST")
     try:
@@ -38,15 +47,37 @@ def probe_model(http_url: str, model: str, timeout_s: float) -> str | None:
     except urllib.error.HTTPError as error:
         return f"model {model!r}: HTTP {error.code}: {error.read().decode(errors='replace')[:300]}"
     except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError) as error:
+        if before is not None and _timed_out(error):
+            after = generated_tokens(metrics_url, model, timeout_s)
+            if after is not None and after > before:
+                return None
         return f"model {model!r}: {error}"
+
+
+def generated_tokens(metrics_url: str, model: str, timeout_s: float) -> float | None:
+    """``model``'s ``pagedllm:generation_tokens_total`` from Triton's metrics endpoint; None if unreadable."""
+    try:
+        with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=timeout_s) as answer:
+            lines = answer.read().decode(errors="replace").splitlines()
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return None
+    label = f'model="{model}"'
+    values = [float(line.rsplit(" ", 1)[1]) for line in lines
+              if line.startswith("pagedllm:generation_tokens_total{") and label in line]
+    return sum(values) if values else None
+
+
+def _timed_out(error: Exception) -> bool:
+    return isinstance(error, TimeoutError) or isinstance(getattr(error, "reason", None), TimeoutError)
 
 
 class HealthServer:
     """Serves ``GET /health`` on ``host:port`` from a daemon thread; ``http_url`` and ``models`` are read per probe."""
 
     def __init__(self, host: str, port: int, http_url: Callable[[], str], models: Callable[[], Sequence[str]], *,
-                 timeout_s: float = 10.0) -> None:
+                 metrics_url: Callable[[], str | None] = lambda: None, timeout_s: float = 10.0) -> None:
         self._http_url = http_url
+        self._metrics_url = metrics_url
         self._models = models
         self._timeout_s = timeout_s
         self._probing = threading.Lock()
@@ -86,12 +117,16 @@ class HealthServer:
             models = list(self._models())
             if not models:
                 return "no model is being served"
-            return next((problem for problem in (probe_model(self._http_url(), model, self._timeout_s)
-                                                 for model in models) if problem), None)
+            return first_problem(self._http_url(), models, self._timeout_s, self._metrics_url())
 
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def first_problem(http_url: str, models: Sequence[str], timeout_s: float, metrics_url: str | None) -> str | None:
+    """The first model's problem (see :func:`probe_model`), or None when every model is alive."""
+    return next((p for p in (probe_model(http_url, model, timeout_s, metrics_url) for model in models) if p), None)
 
 
 def ready_models(http_url: str, timeout_s: float) -> list[str]:
@@ -107,6 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--http-url", default="127.0.0.1:8000", help="Triton's HTTP endpoint, host:port")
     parser.add_argument("--model", action="append", default=None,
                         help="model to probe (repeatable; default: every model Triton lists as READY)")
+    parser.add_argument("--metrics-url", default="127.0.0.1:8002",
+                        help="Triton's metrics endpoint, host:port: a probe that times out while the model's "
+                             "generated-token count grows passes (busy, not dead); '' turns that off")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per model")
     args = parser.parse_args(argv)
     try:
@@ -117,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not models:
         print("unhealthy: no model is being served", file=sys.stderr)
         return 1
-    problem = next((p for p in (probe_model(args.http_url, model, args.timeout) for model in models) if p), None)
+    problem = first_problem(args.http_url, models, args.timeout, args.metrics_url or None)
     if problem is not None:
         print(f"unhealthy: {problem}", file=sys.stderr)
         return 1
