@@ -25,13 +25,13 @@ from typing import Any
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.engine_contract import STALLED_RETRY_S, progress
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 900.0  # loading a large checkpoint takes minutes
-STALLED_RETRY_S = 0.5
 
 
 class EngineCoreDied(RuntimeError):
@@ -207,7 +207,7 @@ def child_main(fd: int) -> None:
                 engine.abort_request(message[1])
         if not engine.has_unfinished_requests():
             continue
-        before = _progress(engine.stats())
+        before = progress(engine.stats())
         try:
             outputs = engine.step()
         except Exception as error:
@@ -215,13 +215,8 @@ def child_main(fd: int) -> None:
             conn.send(("step_failed", f"engine step failed: {error}", engine.stats()))
             continue
         stats = engine.stats()
-        stalled = not outputs and _progress(stats) == before
+        stalled = not outputs and progress(stats) == before
         conn.send(("step", outputs, stats))
-
-
-def _progress(stats: Any) -> tuple[int, ...]:
-    return (stats.num_blocks_free, stats.num_running, stats.num_waiting, stats.num_preemptions,
-            stats.prompt_tokens_total, stats.generation_tokens_total)
 
 
 def _add(engine: Any, request_id: str, prompt: str | list[int], params: SamplingParams) -> tuple[str, str] | None:

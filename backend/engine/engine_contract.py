@@ -28,6 +28,20 @@ class EngineUnavailable(RuntimeError):
     """The loop is not serving (stopped or dead); the message says why."""
 
 
+# How long a loop whose engine scheduled nothing sleeps before it looks at cancellations again.
+STALLED_RETRY_S = 0.5
+# Engine counters that change whenever a step computes anything (blocks move with every
+# prefill chunk); prefix-cache lookup counters are left out: a blocked queue head may
+# be looked up again by a step that schedules nothing.
+_PROGRESS_FIELDS = ("num_blocks_used", "num_blocks_free", "num_running", "num_waiting", "num_preemptions",
+                    "prompt_tokens_total", "generation_tokens_total")
+
+
+def progress(stats: object) -> tuple[object, ...]:
+    """The engine's progress counters: a step that returned no output and left them equal scheduled nothing."""
+    return tuple(getattr(stats, name, None) for name in _PROGRESS_FIELDS)
+
+
 OnOutput = Callable[[RequestOutput], None]
 OnError = Callable[[str, FailureKind], None]
 IsCancelled = Callable[[], bool]

@@ -10,7 +10,7 @@ another thread).
 
 Liveness: the thread never spins. With no work it sleeps until a submission, an
 abort or ``stop``. With work that cannot move (a step that scheduled nothing: no
-outputs and no change in the engine's progress counters, see ``_progress``) it
+outputs and no change in the engine's progress counters, see ``engine_contract.progress``) it
 sleeps the same way, waking every ``STALLED_RETRY_S`` only to read cancellation
 flags and retry once. A request whose ``SamplingParams.timeout`` has passed since
 it arrived is aborted at the next step and ends with ``on_error(..., TIMEOUT)``.
@@ -29,6 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from pagedllm.engine.engine_contract import (
+    STALLED_RETRY_S,
     EngineLike,
     EngineUnavailable,
     FailureKind,
@@ -37,6 +38,7 @@ from pagedllm.engine.engine_contract import (
     OnError,
     OnOutput,
     OnStep,
+    progress,
 )
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.engine.request_timing import RequestTiming
@@ -44,12 +46,6 @@ from pagedllm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-STALLED_RETRY_S = 0.5
-# Engine counters that change whenever a step computes anything (blocks move with every
-# prefill chunk); prefix-cache lookup counters are left out: a blocked queue head may
-# be looked up again by a step that schedules nothing.
-_PROGRESS_FIELDS = ("num_blocks_used", "num_blocks_free", "num_running", "num_waiting", "num_preemptions",
-                    "prompt_tokens_total", "generation_tokens_total")
 
 
 @dataclass(slots=True)
@@ -350,7 +346,7 @@ class EngineLoop:
         except Exception:
             log.exception("engine.stats failed")
             return
-        self._progress = tuple(getattr(stats, name, None) for name in _PROGRESS_FIELDS)
+        self._progress = progress(stats)
         if self._on_step is None:
             return
         try:
