@@ -172,12 +172,21 @@ def _serve(args: argparse.Namespace, scratch: Path | None, supervision: Path) ->
                  f"{', '.join(m.name for m in openai_models or ())})\n" if openai_server else "")
               + "Ctrl-C stops the server.", flush=True)
         supervisor.watch()
-        while not stop.wait(0.25):
-            try:
+        # A restart inside check() can wait minutes for Triton: Ctrl-C/SIGTERM interrupt it, as while
+        # loading, instead of waiting for it (and then counting it as a failed restart).
+        for sig in previous:
+            signal.signal(sig, interrupt)
+        try:
+            while not stop.wait(0.25):
                 supervisor.check()
-            except SupervisorGaveUp as error:
-                print(f"error: {error}", file=sys.stderr, flush=True)
-                return 1
+        except KeyboardInterrupt:
+            stop.set()
+        except SupervisorGaveUp as error:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            return 1
+        finally:  # from here a second Ctrl-C kills instead of waiting for the graceful stop
+            for sig in previous:
+                signal.signal(sig, on_signal)
         print("stopping tritonserver ...", flush=True)
         return 0
     finally:
