@@ -61,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     from pagedllm.serving.server import TritonServer
 
+    if args.openai_rounds < 1:
+        raise SystemExit(f"--openai-rounds must be >= 1, got {args.openai_rounds}")
     if args.soak is not None:
         from pagedllm.bench.serving_soak import run_soak
 
