@@ -12,21 +12,20 @@ Importable: ``run_load(...)`` returns a ``LoadReport`` (benchmarks reuse it).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import random
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import tritonclient.grpc as grpcclient
+import grpc
+import numpy as np
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tqdm import tqdm
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grpc_stream_client import stream_generate  # noqa: E402
 
 WORDS = ("the", "model", "server", "token", "stream", "cache", "block", "batch", "python", "import", "value",
          "request", "latency", "kernel", "memory", "engine", "queue", "thread", "return", "class")
@@ -117,52 +116,101 @@ def make_prompt(num_words: int, rng: random.Random) -> str:
 
 def run_load(url: str, model: str, *, concurrency: int, num_requests: int, prompt_words: int = 32,
              prompt_dist: str = "fixed", output_tokens: int = 64, output_dist: str = "fixed", seed: int = 0,
-             temperature: float = 0.0, progress: bool = True) -> LoadReport:
-    """Send ``num_requests`` streamed requests, ``concurrency`` at a time; never raises for server errors."""
+             temperature: float = 0.0, progress: bool = True, timeout_s: float = 600.0) -> LoadReport:
+    """Send ``num_requests`` streamed requests, ``concurrency`` at a time; never raises for server errors.
+
+    The ``concurrency`` clients are coroutines on one event loop and one gRPC channel, each
+    streaming one request at a time: no thread per client or per request, and the responses
+    are read straight from the protobuf, so the client spends as little as it can of a machine
+    it may share with the server.
+    """
     if concurrency < 1 or num_requests < 1:
         raise ValueError("concurrency and num_requests must be >= 1")
     rng = random.Random(seed)
     prompt_lengths = sample_lengths(prompt_dist, prompt_words, num_requests, rng)
     output_lengths = sample_lengths(output_dist, output_tokens, num_requests, rng)
     prompts = [make_prompt(n, rng) for n in prompt_lengths]
-    local = threading.local()
-    clients: list[grpcclient.InferenceServerClient] = []
-    lock = threading.Lock()
+    requests = [_stream_request(model, str(i), prompts[i], {"max_tokens": output_lengths[i], "temperature": temperature,
+                                                          "ignore_eos": True, "seed": seed + i})
+                for i in range(num_requests)]
+    records: list[RequestRecord | None] = [None] * num_requests
+    pending = iter(range(num_requests))
 
-    def one(i: int) -> RequestRecord:
-        if not hasattr(local, "client"):
-            local.client = grpcclient.InferenceServerClient(url)
-            with lock:
-                clients.append(local.client)
-        sampling = {"max_tokens": output_lengths[i], "temperature": temperature, "ignore_eos": True, "seed": seed + i}
-        start = time.perf_counter()
-        first, last, tokens, gaps, error = None, start, 0, [], None
-        try:
-            for event in stream_generate(local.client, model, prompts[i], sampling):
-                if event.num_tokens == 0:
-                    continue
-                if first is None:
-                    first = event.arrived
-                else:
-                    gaps.extend([(event.arrived - last) / event.num_tokens] * event.num_tokens)
-                last = event.arrived
-                tokens += event.num_tokens
-        except Exception as failure:  # report, keep loading
-            error = str(failure)
-        return RequestRecord(prompt_lengths[i], output_lengths[i], start, first, time.perf_counter(), tokens,
-                             tuple(gaps), error)
+    async def one_client(stub: service_pb2_grpc.GRPCInferenceServiceStub, bar: tqdm) -> None:
+        for index in pending:
+            fields = await _one_request(stub, requests[index], timeout_s)
+            records[index] = RequestRecord(prompt_lengths[index], output_lengths[index], *fields)
+            bar.update(1)
+
+    async def all_clients() -> None:
+        async with grpc.aio.insecure_channel(url) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            with tqdm(total=num_requests, disable=not progress, desc=f"c={concurrency}", unit="req") as bar:
+                await asyncio.gather(*(one_client(stub, bar) for _ in range(min(concurrency, num_requests))))
 
     began = time.perf_counter()
-    records: list[RequestRecord] = []
-    with ThreadPoolExecutor(max_workers=concurrency) as pool, \
-            tqdm(total=num_requests, disable=not progress, desc=f"c={concurrency}", unit="req") as bar:
-        for record in pool.map(one, range(num_requests)):
-            records.append(record)
-            bar.update(1)
-    wall = time.perf_counter() - began
-    for client in clients:
-        client.close()
-    return LoadReport(concurrency, tuple(records), wall)
+    asyncio.run(all_clients())
+    return LoadReport(concurrency, tuple(records), time.perf_counter() - began)  # type: ignore[arg-type]
+
+
+def _stream_request(model: str, request_id: str, prompt: str, sampling: dict[str, object]) -> service_pb2.ModelInferRequest:
+    """The request ``grpc_stream_client.build_inputs`` describes, as the protobuf the stream carries."""
+    request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
+    request.parameters["triton_enable_empty_final_response"].bool_param = True
+    for name, value in (("text_input", prompt.encode()), ("sampling_parameters", json.dumps(sampling).encode())):
+        tensor = request.inputs.add(name=name, datatype="BYTES", shape=[1])
+        tensor.contents.bytes_contents.append(value)
+    for name in ("stream", "exclude_input_in_output", "return_num_output_tokens"):
+        tensor = request.inputs.add(name=name, datatype="BOOL", shape=[1])
+        tensor.contents.bool_contents.append(True)
+    return request
+
+
+async def _one_request(stub: service_pb2_grpc.GRPCInferenceServiceStub, request: service_pb2.ModelInferRequest,
+                       timeout_s: float) -> tuple[float, float | None, float, int, tuple[float, ...], str | None]:
+    """(start, first token, end, tokens, inter-token gaps, error) of one streamed request."""
+    done = asyncio.Event()
+
+    async def send() -> AsyncIterator[service_pb2.ModelInferRequest]:
+        yield request
+        await done.wait()  # half-closing the stream early could end it before the last response
+
+    start = time.perf_counter()
+    first, last, tokens, gaps, error = None, start, 0, [], None
+    call = stub.ModelStreamInfer(send(), timeout=timeout_s)
+    try:
+        async for response in call:
+            arrived = time.perf_counter()
+            if response.error_message:
+                error = response.error_message
+                break
+            infer = response.infer_response
+            count = _num_output_tokens(infer)
+            if count:
+                if first is None:
+                    first = arrived
+                else:
+                    gaps.extend([(arrived - last) / count] * count)
+                last = arrived
+                tokens += count
+            if infer.parameters["triton_final_response"].bool_param:
+                break
+        else:
+            error = "the stream ended before the final response"
+    except grpc.aio.AioRpcError as failure:  # report, keep loading
+        error = f"{failure.code().name}: {failure.details()}"
+    finally:
+        done.set()
+        call.cancel()
+    return start, first, time.perf_counter(), tokens, tuple(gaps), error
+
+
+def _num_output_tokens(response: service_pb2.ModelInferResponse) -> int:
+    """The response's ``num_output_tokens`` (0 for the empty final response)."""
+    for output, raw in zip(response.outputs, response.raw_output_contents):
+        if output.name == "num_output_tokens":
+            return int(np.frombuffer(raw, dtype=np.uint32)[0])
+    return 0
 
 
 def plot(report: LoadReport, path: Path) -> None:
