@@ -126,6 +126,16 @@ def test_logprobs_are_returned_per_token(llm: LLM) -> None:
     assert out.cumulative_logprob == pytest.approx(sum(top[t] for t, top in zip(out.token_ids, out.logprobs)))
 
 
+def test_cumulative_logprob_is_computed_only_when_logprobs_are_asked_for(llm: LLM) -> None:
+    plain = llm.generate("a", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0].outputs[0]
+    assert plain.cumulative_logprob is None and plain.logprobs is None
+    chosen = llm.generate("a", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0))[0].outputs[0]
+    assert chosen.token_ids == plain.token_ids
+    assert chosen.logprobs is not None and [list(top) for top in chosen.logprobs] == [[t] for t in chosen.token_ids]
+    assert chosen.cumulative_logprob == pytest.approx(sum(top[t] for t, top in zip(chosen.token_ids, chosen.logprobs)))
+    assert chosen.cumulative_logprob < 0
+
+
 def test_stream_deltas_concatenate_to_generate(llm: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     whole = llm.generate("print(", params)[0].outputs[0]

@@ -66,6 +66,17 @@ def test_return_flags() -> None:
     assert parse_request(inputs).returns == ReturnFlags(finish_reason=True, num_output_tokens=True)
 
 
+def test_cumulative_logprob_alone_asks_the_engine_for_the_sampled_tokens_logprobs_only() -> None:
+    inputs = {"text_input": text("Hi"), "return_cumulative_logprob": flag(True)}
+    request = parse_request(inputs)
+    assert request.params.logprobs == 0 and not request.logprobs_requested
+    asked = parse_request({**inputs, "sampling_parameters": text('{"logprobs": 2}')})
+    assert asked.params.logprobs == 2 and asked.logprobs_requested
+    beams = parse_request({**inputs, "sampling_parameters": text('{"beam_width": 2, "temperature": 0}')})
+    assert beams.params.logprobs is None  # beam search scores its own cumulative logprob
+    assert parse_request({"text_input": text("Hi")}).params.logprobs is None
+
+
 @pytest.mark.parametrize(
     ("inputs", "parameters", "field", "reason"),
     [

@@ -49,6 +49,16 @@ def test_streaming_sends_each_delta_with_per_sample_entries() -> None:
     assert strings(last["logprobs"]) == ["null", "null"]
 
 
+def test_logprobs_added_only_for_the_cumulative_sum_are_not_returned() -> None:
+    cumulative_only = GenerateRequest("Say:", SamplingParams(logprobs=0), True, False, ALL_RETURNS,
+                                      logprobs_requested=False)
+    tensors = ResponseAssembler(cumulative_only, decode_token=str).add(
+        step([delta(0, " a", (10,), -1.5, "length", ({10: -1.5},))], finished=True))
+    assert tensors is not None
+    assert tensors["cumulative_logprob"].tolist() == [-1.5]
+    assert strings(tensors["logprobs"]) == ["null"]
+
+
 def test_non_streaming_sends_one_response_with_the_prompt_prepended() -> None:
     assembler = ResponseAssembler(request(stream=False, prepend=True, n=2), decode_token=str)
     assert assembler.add(step([delta(0, " x", (1,), -1.0), delta(1, " y", (2,), -1.0)])) is None

@@ -235,7 +235,8 @@ class LLMEngine:
         if seq.index == 0 and seq.num_output_tokens == 1:
             self._prompt_tokens_total += seq.num_prompt_tokens
         self._generation_tokens_total += 1
-        seq.cumulative_logprob += token.logprob
+        if token.logprob is not None:
+            seq.cumulative_logprob += token.logprob
         penalties = self._rows[seq.seq_id].penalties
         if penalties is not None:
             penalties.append(token.token_id)
@@ -279,11 +280,11 @@ class LLMEngine:
                 if seq is None and index < len(request.sequences):
                     continue
                 text = ""
-                logprob = 0.0
+                logprob = None if request.params.logprobs is None else 0.0
                 if seq is not None:
                     self.scheduler.finish(seq, "abort")
                     text = self._release(seq)
-                    logprob = seq.cumulative_logprob
+                    logprob = None if logprob is None else seq.cumulative_logprob
                 deltas.setdefault(request_id, []).append(CompletionDelta(index, text, (), logprob, None, "abort"))
         self._pending_aborts.clear()
         return aborted

@@ -46,7 +46,9 @@ class OutputProcessor:
             text += detokenizer.flush()
         if reason is not None:
             del self._detokenizers[seq.seq_id]
-        logprobs = (token.top_logprobs or {token.token_id: token.logprob},) if params.logprobs is not None else None
+        if params.logprobs is None:
+            return CompletionDelta(seq.index, text, (token.token_id,), None, None, reason)
+        logprobs = (token.top_logprobs or {},)
         return CompletionDelta(seq.index, text, (token.token_id,), seq.cumulative_logprob, logprobs, reason)
 
     def decode(self, request: Request, token_ids: tuple[int, ...], finish_reason: str) -> str:

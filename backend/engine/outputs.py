@@ -13,7 +13,8 @@ class CompletionDelta:
     index: int
     text: str  # new text since the previous delta (may be "" while bytes are incomplete)
     token_ids: tuple[int, ...]  # new token ids
-    cumulative_logprob: float  # of every token sampled so far
+    # Of every token sampled so far; None unless the request set logprobs (as in vLLM) or is a beam search.
+    cumulative_logprob: float | None
     logprobs: tuple[dict[int, float], ...] | None  # per new token: top-k and chosen id -> logprob
     finish_reason: str | None  # "stop" | "length" | "abort" once this sample is done
     score: float | None = None  # beam search: cumulative_logprob after the length penalty
@@ -40,7 +41,7 @@ class CompletionOutput:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None  # None unless the request set logprobs or is a beam search
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     score: float | None = None  # beam search only: the hypothesis' score after the length penalty

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -86,6 +86,10 @@ class GenerateRequest:
     stream: bool
     prepend_input: bool  # non-streaming only: put the prompt in front of each output text
     returns: ReturnFlags
+    # The client's own sampling_parameters.logprobs was set: the engine computes logprobs only when
+    # asked, so a request for cumulative_logprob alone runs with logprobs=0, which must not make
+    # the logprobs output appear.
+    logprobs_requested: bool = True
 
 
 def parse_request(inputs: Mapping[str, np.ndarray], parameters_json: str | None = None, *,
@@ -108,7 +112,11 @@ def parse_request(inputs: Mapping[str, np.ndarray], parameters_json: str | None 
     else:
         params = parse_sampling_parameters(parameters_json or "{}", "parameters")
     returns = ReturnFlags(*(flags.get(name, False) for name in RETURN_FLAGS))
-    return GenerateRequest(prompt, params, stream, prepend_input=not stream and not exclude_input, returns=returns)
+    requested = params.logprobs is not None
+    if returns.cumulative_logprob and not requested and not params.use_beam_search:
+        params = replace(params, logprobs=0)  # the sampled tokens' logprobs, which the sum needs
+    return GenerateRequest(prompt, params, stream, prepend_input=not stream and not exclude_input, returns=returns,
+                           logprobs_requested=requested)
 
 
 def parse_sampling_parameters(text: str, field: str) -> SamplingParams:

@@ -35,7 +35,7 @@ Tensors = dict[str, np.ndarray]
 class _Sample:
     text: str = ""
     num_tokens: int = 0
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None  # set whenever the client asked for it (see request_codec)
     logprobs: list[dict[str, dict[str, object]]] = field(default_factory=list)
     finish_reason: str | None = None
 
@@ -97,7 +97,7 @@ class ResponseAssembler:
         if returns.cumulative_logprob:
             tensors["cumulative_logprob"] = np.array([s.cumulative_logprob for s in samples], dtype=np.float32)
         if returns.logprobs:
-            wanted = self.request.params.logprobs is not None
+            wanted = self.request.logprobs_requested and self.request.params.logprobs is not None
             tensors["logprobs"] = np.array(
                 [(json.dumps(s.logprobs) if wanted else "null").encode() for s in samples], dtype=np.object_)
         if returns.num_input_tokens:

@@ -66,7 +66,9 @@ class SamplingRow:
 @dataclass(slots=True)
 class SampledToken:
     token_id: int
-    logprob: float  # of the chosen token under log_softmax of the unprocessed logits
+    # Of the chosen token under log_softmax of the unprocessed logits; None unless params.logprobs is set
+    # (as in vLLM: a full-vocabulary log_softmax per row is most of a greedy batch's sampling time).
+    logprob: float | None
     top_logprobs: dict[int, float] | None  # when params.logprobs is set: top ids and the chosen one
 
 
@@ -214,22 +216,21 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
 
 
 def _results(raw: torch.Tensor, chosen: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
-    # One fused log_softmax pass is about twice as fast as gather - logsumexp, which is composite on CPU
-    # (scripts/ab_cpu_choices.py), and a token's logprob then equals its top_logprobs entry exactly.
-    logprobs = raw.log_softmax(dim=-1)
-    chosen_logprob = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
     token_ids = chosen.tolist()
-    token_logprobs = chosen_logprob.tolist()
     wanting = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not wanting:
-        return [SampledToken(token_id, logprob, None) for token_id, logprob in zip(token_ids, token_logprobs)]
-    tops: list[dict[int, float] | None] = [None] * len(rows)
+        return [SampledToken(token_id, None, None) for token_id in token_ids]
     index = _index(wanting, raw.device)
+    # One fused log_softmax pass is about twice as fast as gather - logsumexp, which is composite on CPU
+    # (scripts/ab_cpu_choices.py), and a token's logprob then equals its top_logprobs entry exactly.
+    logprobs = raw[index].log_softmax(dim=-1)
+    chosen_logprobs = logprobs.gather(1, chosen[index].unsqueeze(1)).squeeze(1).tolist()
     width = min(max(rows[i].params.logprobs or 0 for i in wanting), raw.shape[1])
-    values, ids = logprobs[index].topk(width, dim=-1)
-    for i, top_ids, top_values in zip(wanting, ids.tolist(), values.tolist()):
+    values, ids = logprobs.topk(width, dim=-1)
+    tokens = [SampledToken(token_id, None, None) for token_id in token_ids]
+    for i, logprob, top_ids, top_values in zip(wanting, chosen_logprobs, ids.tolist(), values.tolist()):
         k = rows[i].params.logprobs or 0
         top = dict(zip(top_ids[:k], top_values[:k]))
-        top[token_ids[i]] = token_logprobs[i]
-        tops[i] = top
-    return [SampledToken(*token) for token in zip(token_ids, token_logprobs, tops)]
+        top[token_ids[i]] = logprob
+        tokens[i] = SampledToken(token_ids[i], logprob, top)
+    return tokens
