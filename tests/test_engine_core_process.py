@@ -35,11 +35,13 @@ def expected(config: EngineConfig) -> list[str]:
 class Collector:
     def __init__(self) -> None:
         self.text = ""
+        self.prompts: set[tuple[str | None, tuple[int, ...]]] = set()  # every output's prompt fields
         self.error: tuple[str, FailureKind] | None = None
         self.done = threading.Event()
 
     def on_output(self, output: RequestOutput) -> None:
         self.text += "".join(delta.text for delta in output.outputs)
+        self.prompts.add((output.prompt, tuple(output.prompt_token_ids)))
         if output.finished:
             self.done.set()
 
@@ -62,6 +64,9 @@ def test_child_engine_serves_exact_tokens_and_recovers_from_being_killed(config:
         results = [submit(loop, f"r{i}", prompt, GREEDY) for i, prompt in enumerate(PROMPTS)]
         assert all(r.done.wait(120) for r in results)
         assert [r.text for r in results] == expected
+        # The prompt crosses the pipe once; every output still carries it, as in-process outputs do.
+        tokenizer = core.tokenizer
+        assert [r.prompts for r in results] == [{(p, tuple(tokenizer(p)["input_ids"]))} for p in PROMPTS]
 
         with pytest.raises(ValueError, match="n=1000"):
             loop.submit("bad", PROMPTS[0], SamplingParams(n=1000), lambda output: None)

@@ -4,7 +4,9 @@ from __future__ import annotations
 import threading
 import time
 
-from pagedllm.serving.cancellation import CancellationWatcher
+import pytest
+
+from pagedllm.serving.cancellation import MAX_INTERVAL_S, MAX_PROBE_SHARE, CancellationWatcher, pause_after
 
 
 def wait_until(condition, timeout_s: float = 5.0) -> bool:
@@ -91,3 +93,10 @@ def test_no_probe_runs_once_unregister_returns() -> None:
         assert not state["late_probe"], "a probe was still running after unregister() returned"
     finally:
         watcher.close()
+
+
+def test_the_pause_between_sweeps_grows_with_the_sweep_so_probing_stays_a_small_share() -> None:
+    assert pause_after(0.0001, 0.02) == 0.02  # few requests: the configured interval
+    assert pause_after(0.0016, 0.02) == pytest.approx(0.0016 / MAX_PROBE_SHARE)  # 64 streams: ~80 ms
+    assert pause_after(0.5, 0.02) == MAX_INTERVAL_S  # a cancellation is still seen within a second
+    assert pause_after(0.5, 2.0) == 2.0  # a longer configured interval wins

@@ -6,7 +6,14 @@ Triton's own threads would otherwise share one GIL. Here the child owns the
 (text deltas already detokenized) and stats through a pipe; the parent's
 ``EngineCoreProcess`` forwards ``add_request`` / ``abort_request`` and hands
 the outputs to the loop one step at a time, sleeping in ``recv`` (GIL released)
-in between. If the child dies (a crashing kernel, the OOM killer), the step
+in between.
+
+The parent admits requests itself (tokenizing and checking them against the engine's
+``AdmissionLimits``, the same code ``LLMEngine.add_request`` runs) and sends the token
+ids without waiting for an answer: the child reads its messages only between steps, so
+waiting for a verdict admitted one request per step and left a burst of arrivals
+queued for as many steps. The prompt never travels back: the parent puts it on the
+outputs. If the child dies (a crashing kernel, the OOM killer), the step
 that notices raises, the loop fails the in-flight requests, and the next call
 starts a fresh child: the server keeps serving without a reload.
 """
@@ -25,6 +32,7 @@ from typing import Any
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.admission import AdmissionLimits, check_request, tokenize_prompt
 from pagedllm.engine.engine_contract import STALLED_RETRY_S, progress
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -51,18 +59,16 @@ class EngineCoreProcess:
     # ---- EngineLike ----
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Queue a request; raises ``ValueError`` for input it could never serve, as ``LLMEngine`` does."""
         self._ensure_alive()
-        self._send(("add", request_id, prompt, params))
-        while True:
-            message = self._recv()
-            if message[0] == "verdict" and message[1] == request_id:
-                break
-            self._keep(message)
-        error = message[2]
-        if error is not None:
-            kind, text = error
-            raise ValueError(text) if kind == "ValueError" else RuntimeError(text)
+        if request_id in self._in_flight:
+            raise ValueError(f"request_id={request_id!r} is already in flight")
+        limits: AdmissionLimits = self._info["limits"]
+        prompt_ids, text = tokenize_prompt(self.tokenizer, prompt, limits.vocab_size)
+        check_request(prompt_ids, params, limits)
+        self._send(("add", request_id, prompt_ids, params))
         self._in_flight.add(request_id)
+        self._prompts[request_id] = (text, tuple(prompt_ids))
 
     def abort_request(self, request_id: str) -> None:
         if request_id in self._in_flight and self._process.poll() is None:
@@ -76,8 +82,10 @@ class EngineCoreProcess:
         if isinstance(outcome, str):
             raise RuntimeError(outcome)
         for output in outcome:
+            output.prompt, output.prompt_token_ids = self._prompts.get(output.request_id, (None, ()))
             if output.finished:
                 self._in_flight.discard(output.request_id)
+                self._prompts.pop(output.request_id, None)
         return outcome
 
     def has_unfinished_requests(self) -> bool:
@@ -112,6 +120,7 @@ class EngineCoreProcess:
         child_end.close()
         self._conn = Connection(parent_end.detach())
         self._in_flight: set[str] = set()
+        self._prompts: dict[str, tuple[str | None, tuple[int, ...]]] = {}  # of the requests in flight
         self._steps: deque[list[RequestOutput] | str] = deque()
         self._send(("config", self.config))
         if not self._conn.poll(START_TIMEOUT_S):
@@ -149,12 +158,16 @@ class EngineCoreProcess:
             except subprocess.TimeoutExpired:
                 code = None
             self._in_flight.clear()
+            self._prompts.clear()
             self._steps.clear()
             raise EngineCoreDied(f"engine core process died (exit code {code}); "
                                  "in-flight requests are lost, the next request starts a new engine") from error
 
     def _keep(self, message: tuple[Any, ...]) -> None:
-        if message[0] == "step":
+        if message[0] == "rejected":  # admitted here, refused there: ends like a request the engine failed
+            _, request_id, error = message
+            self._steps.append([RequestOutput(request_id, None, (), (), True, error)])
+        elif message[0] == "step":
             self._steps.append(message[1])
             self._stats = message[2]
         elif message[0] == "step_failed":
@@ -184,7 +197,8 @@ def child_main(fd: int) -> None:
     except Exception as error:
         conn.send(("failed", (type(error).__name__, str(error))))
         return
-    info = {"max_model_len": engine.max_model_len, "tokenizer_dir": engine.tokenizer.name_or_path}
+    info = {"max_model_len": engine.max_model_len, "tokenizer_dir": engine.tokenizer.name_or_path,
+            "limits": engine.limits}
     conn.send(("ready", info, engine.stats()))
     stalled = False
     while True:
@@ -202,7 +216,9 @@ def child_main(fd: int) -> None:
             if message[0] == "stop":
                 return
             if message[0] == "add":
-                conn.send(("verdict", message[1], _add(engine, message[1], message[2], message[3])))
+                error = _add(engine, message[1], message[2], message[3])
+                if error is not None:
+                    conn.send(("rejected", message[1], error))
             elif message[0] == "abort":
                 engine.abort_request(message[1])
         if not engine.has_unfinished_requests():
@@ -216,12 +232,19 @@ def child_main(fd: int) -> None:
             continue
         stats = engine.stats()
         stalled = not outputs and progress(stats) == before
-        conn.send(("step", outputs, stats))
+        conn.send(("step", [_without_prompt(output) for output in outputs], stats))
 
 
-def _add(engine: Any, request_id: str, prompt: str | list[int], params: SamplingParams) -> tuple[str, str] | None:
+def _without_prompt(output: RequestOutput) -> RequestOutput:
+    """The parent has the prompt: pickling it again every step was about a third of sending a step."""
+    return RequestOutput(output.request_id, None, (), output.outputs, output.finished, output.error)
+
+
+def _add(engine: Any, request_id: str, prompt_ids: list[int], params: SamplingParams) -> str | None:
+    """None, or why the engine refused a request the parent had already checked (it should not)."""
     try:
-        engine.add_request(request_id, prompt, params)
+        engine.add_request(request_id, prompt_ids, params)
     except Exception as error:
-        return type(error).__name__, str(error)
+        log.exception("the engine core refused request %s after the parent admitted it", request_id)
+        return f"engine refused the request: {type(error).__name__}: {error}"
     return None
