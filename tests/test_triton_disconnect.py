@@ -55,9 +55,10 @@ def generated_after_hanging_up(server: TritonServer, body: dict[str, object], pa
     sock = send_request(server, body, path)
     if path == "generate_stream":
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # the first event is on its way: it is generating
-    else:
-        wait_for_metrics(server, lambda m: m.get("pagedllm:generation_tokens_total", 0)
-                         > before.get("pagedllm:generation_tokens_total", 0))
+    # Also for a stream: the metrics must show this request before the wait below may trust a
+    # "nothing running" (an earlier snapshot says that too, and the request then outlives the test).
+    wait_for_metrics(server, lambda m: m.get("pagedllm:generation_tokens_total", 0)
+                     > before.get("pagedllm:generation_tokens_total", 0))
     sock.close()
     # A request nobody cancels runs all its tokens: allow for a slow, shared machine.
     values = wait_for_metrics(server, lambda m: m.get("pagedllm:num_requests_running") == 0
