@@ -207,3 +207,11 @@ def test_bench_all_keeps_every_table_in_one_markdown_file(tmp_path: Path) -> Non
     assert "| paged |" in text and "## Wall time" in text
     with pytest.raises(ValueError, match="--only"):
         bench_all.run(_args(bench_all, "--only", "kernels", "--out", str(tmp_path)))
+
+
+@pytest.mark.parametrize("flags", [("--api", "openai"), ("--concurrency", "8"), ("--tiny",)])
+def test_soak_refuses_the_flags_it_would_ignore(flags: tuple[str, ...]) -> None:
+    from pagedllm.bench import serving
+
+    with pytest.raises(SystemExit, match=f"drop {flags[0]}"):
+        serving.run(_args(serving, "--soak", "100", *flags))

@@ -66,6 +66,12 @@ def run(args: argparse.Namespace) -> None:
     if args.soak is not None:
         from pagedllm.bench.serving_soak import run_soak
 
+        ignored = [flag for flag, value, default in (("--concurrency", args.concurrency, "1,8,32,64"),
+                                                      ("--api", args.api, "grpc"), ("--tiny", args.tiny, False))
+                   if value != default]
+        if ignored:
+            raise SystemExit(f"--soak runs its own load (gRPC, concurrency 32); drop {', '.join(ignored)}")
+
         run_soak(args, load_client_module(args.load_client), write_model_repository, MODEL_NAME)
         return
     report.set_threads(args.threads)

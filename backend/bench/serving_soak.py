@@ -54,9 +54,11 @@ def run_soak(args: argparse.Namespace, client: Any, write_model_repository: Any,
                                    progress=False).summary()
 
         def snapshot(label: str, done: int, errors: int) -> None:
-            engine = [rss_mib(pid) or 0.0 for pid in child_pids(stub)]
-            rows.append([label, done, errors, f"{rss_mib(stub) or 0.0:.0f}",
-                         f"{sum(engine):.0f}" if engine else "-"])
+            stub_rss = rss_mib(stub)
+            if stub_rss is None:  # a number here would read as "no memory": say what happened instead
+                raise RuntimeError(f"the backend stub (pid {stub}) exited during the soak, at {label!r}")
+            engine = [rss for pid in child_pids(stub) if (rss := rss_mib(pid)) is not None]
+            rows.append([label, done, errors, f"{stub_rss:.0f}", f"{sum(engine):.0f}" if engine else "-"])
 
         load(WARMUP_REQUESTS, args.seed)
         snapshot("start (after warm-up)", 0, 0)
