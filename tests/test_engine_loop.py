@@ -429,3 +429,25 @@ def test_real_engine_streams_from_many_threads_exactly_as_offline(tiny_model_dir
     finally:
         loop.stop()
     assert engine.stats().num_blocks_used == 0
+
+
+def test_a_request_past_its_timeout_on_the_loop_clock_is_aborted_and_fails_with_timeout() -> None:
+    now = [0.0]
+    engine = FakeEngine()
+    engine.frozen = True  # steps make no progress: only the timeout can end the request
+    loop = EngineLoop(engine, clock=lambda: now[0]).start()
+    try:
+        bounded, unbounded = Collector(), Collector()
+        loop.submit("bounded", "a", SamplingParams(max_tokens=4, timeout=5.0), bounded.on_output,
+                    on_error=bounded.on_error)
+        loop.submit("unbounded", "b", SamplingParams(max_tokens=4), unbounded.on_output, on_error=unbounded.on_error)
+        assert not bounded.done.wait(0.2)  # the clock has not moved: still running
+        now[0] = 5.0
+        assert bounded.done.wait(5)
+        assert bounded.kinds == [FailureKind.TIMEOUT]
+        assert "timed out after 5 s (sampling_parameters.timeout)" in bounded.errors[0]
+        assert not unbounded.done.is_set()  # no timeout: it waits on, whatever the clock says
+        engine.frozen = False
+        assert unbounded.done.wait(5) and unbounded.errors == []
+    finally:
+        loop.stop()
