@@ -29,6 +29,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.core.beam_search import shared_full_blocks
 from pagedllm.core.request import Request
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -245,3 +246,12 @@ def test_a_beam_request_whose_output_fails_ends_alone(tiny_model_dir: Callable[[
     assert results["bad"].finished and "detokenizer exploded" in results["bad"].error
     assert results["good"].error is None and len(results["good"].outputs[0].token_ids) == 6
     assert engine.stats().num_blocks_used == 0
+
+
+def test_shared_full_blocks_counts_equal_leading_blocks_and_never_the_last_token() -> None:
+    leader = list(range(12))
+    assert shared_full_blocks(list(range(12)), leader, 4) == 2  # block 3 would hold the last token
+    assert shared_full_blocks(list(range(13)), leader + [99], 4) == 3
+    assert shared_full_blocks([0, 1, 2, 3, 4, 5, 6, 0, 8, 9], leader, 4) == 1  # differs in block 1
+    assert shared_full_blocks([7, 1, 2, 3, 4], leader, 4) == 0
+    assert shared_full_blocks([0, 1, 2], leader, 4) == 0

@@ -133,3 +133,15 @@ def beam_chunks(remaining: list[int], ready: list[bool], budget: int) -> list[in
         chunks.append(chunk)
         budget -= chunk
     return chunks
+
+
+def shared_full_blocks(token_ids: list[int], leader_token_ids: list[int], block_size: int) -> int:
+    """How many leading full blocks of a beam hold the same tokens as its leader's: the blocks it can
+    share instead of recomputing. Its last token is never shared: its logits are needed."""
+    common = 0
+    while (common + 1) * block_size <= len(token_ids) - 1:
+        block = slice(common * block_size, (common + 1) * block_size)
+        if token_ids[block] != leader_token_ids[block]:
+            break
+        common += 1
+    return common

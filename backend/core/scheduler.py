@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from pagedllm.core.beam_search import BeamCandidate, BeamSearch, beam_chunks
+from pagedllm.core.beam_search import BeamCandidate, BeamSearch, beam_chunks, shared_full_blocks
 from pagedllm.core.kv_cache_manager import NO_MATCH, KVCacheManager
 from pagedllm.core.request import Request, Sequence, SequenceStatus
 from pagedllm.core.stop_policy import StopPolicy
@@ -318,13 +318,8 @@ class Scheduler:
         leader = request.beams[0]
         if beam is leader or beam.block_ids or beam.num_computed_tokens:
             return True
-        bs = self.kv.block_size
-        common = 0
-        # The beam's last token is never shared: its logits are needed.
-        while (common + 1) * bs <= beam.num_tokens - 1 and \
-                beam.token_ids[common * bs : (common + 1) * bs] == leader.token_ids[common * bs : (common + 1) * bs]:
-            common += 1
-        if leader.num_computed_tokens < common * bs:
+        common = shared_full_blocks(beam.token_ids, leader.token_ids, self.kv.block_size)
+        if leader.num_computed_tokens < common * self.kv.block_size:
             return False
         self.kv.fork(leader, beam, common)
         return True

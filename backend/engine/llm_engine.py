@@ -275,17 +275,17 @@ class LLMEngine:
                 deltas[request_id] = [CompletionDelta(i, "", (), 0.0, None, "abort") for i in range(request.params.n)]
                 continue
             live = {seq.index: seq for seq in request.sequences if not seq.is_finished}
+            reports_logprob = request.params.logprobs is not None  # as every other delta of the request
             for index in range(request.params.n):
                 seq = live.get(index)
                 if seq is None and index < len(request.sequences):
                     continue
-                text = ""
-                logprob = None if request.params.logprobs is None else 0.0
+                text, logprob = "", 0.0
                 if seq is not None:
                     self.scheduler.finish(seq, "abort")
-                    text = self._release(seq)
-                    logprob = None if logprob is None else seq.cumulative_logprob
-                deltas.setdefault(request_id, []).append(CompletionDelta(index, text, (), logprob, None, "abort"))
+                    text, logprob = self._release(seq), seq.cumulative_logprob
+                delta = CompletionDelta(index, text, (), logprob if reports_logprob else None, None, "abort")
+                deltas.setdefault(request_id, []).append(delta)
         self._pending_aborts.clear()
         return aborted
 
