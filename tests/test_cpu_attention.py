@@ -74,13 +74,14 @@ def head_major(cache: torch.Tensor) -> torch.Tensor:
     return stored.copy_(cache)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch-only"])
 @pytest.mark.parametrize("layout", ["head-major", "contiguous"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_torch_backend_matches_reference(case: Case, layout: str) -> None:
+def test_torch_backend_matches_reference(case: Case, layout: str, native: bool) -> None:
     batch = make_batch(case)
     if layout == "head-major":
         batch = replace(batch, k_cache=head_major(batch.k_cache), v_cache=head_major(batch.v_cache))
-    backend = torch_backend()
+    backend = torch_backend(native=native)
     actual = backend.attend(batch.q, batch.k_cache, batch.v_cache, backend.plan(metadata_of(batch)), batch.scale)
     expected = unified_attention_ref(*batch.args())
     assert actual.shape == batch.q.shape and actual.dtype == case.dtype
@@ -106,16 +107,17 @@ def test_one_plan_serves_every_layer_and_buffers_serve_every_step() -> None:
     torch.testing.assert_close(actual, unified_attention_ref(*next_step.args()), atol=1e-5, rtol=0)
 
 
-def test_padding_beyond_each_context_is_never_attended() -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch-only"])
+def test_padding_beyond_each_context_is_never_attended(native: bool) -> None:
     """Slots past a sequence's end hold huge values; a leak would swamp the output."""
     case = CASES["mixed-gqa4-d80-b32"]
     batch = make_batch(case)
-    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    k_cache, v_cache = head_major(batch.k_cache), head_major(batch.v_cache)
     for row, length in enumerate(case.seq_lens):
         last_block = int(batch.block_table[row, (length - 1) // case.block_size])
         k_cache[last_block, (length - 1) % case.block_size + 1 :] = 1e4
         v_cache[last_block, (length - 1) % case.block_size + 1 :] = 1e4
-    backend = torch_backend()
+    backend = torch_backend(native=native)
     actual = backend.attend(batch.q, k_cache, v_cache, backend.plan(metadata_of(batch)), batch.scale)
     torch.testing.assert_close(actual, unified_attention_ref(*batch.args()), atol=1e-5, rtol=0)
 
@@ -134,11 +136,11 @@ def test_backends_by_name_and_by_device() -> None:
         attention_backend_named("flash")
 
 
-def test_decodes_batch_by_similar_length_and_prefills_attend_alone() -> None:
+def test_without_the_native_routine_decodes_batch_by_similar_length_and_prefills_attend_alone() -> None:
     case = CASES["decode-longtail-gqa8-d128-b16"]
     planned = torch_backend().plan(metadata_of(make_batch(case))).plan
     assert isinstance(planned, CpuAttentionPlan)
-    layout = planned.layout(case.block_size, case.dtype)
+    layout = planned.layout(case.block_size, case.dtype, native=False)
     blocks = [-(-length // case.block_size) for length in case.seq_lens]
     members = sorted(int(token) for batch in layout.decodes for token in batch.tokens)
     assert members == list(range(len(case.seq_lens))) and len(layout.decodes) > 1 and not layout.prefills
@@ -148,11 +150,11 @@ def test_decodes_batch_by_similar_length_and_prefills_attend_alone() -> None:
     assert not layout.decodes_in_order
 
     alike = CASES["decode-gqa4-d64-b16"]
-    layout = torch_backend().plan(metadata_of(make_batch(alike))).plan.layout(alike.block_size, alike.dtype)
+    layout = torch_backend().plan(metadata_of(make_batch(alike))).plan.layout(alike.block_size, alike.dtype, False)
     assert layout.decodes_in_order and len(layout.decodes) == 1
 
     mixed = CASES["mixed-gqa8-d96-b16"]
-    layout = torch_backend().plan(metadata_of(make_batch(mixed))).plan.layout(mixed.block_size, mixed.dtype)
+    layout = torch_backend().plan(metadata_of(make_batch(mixed))).plan.layout(mixed.block_size, mixed.dtype, False)
     assert [(chunk.start, chunk.query_len, chunk.seq_len) for chunk in layout.prefills] == [(1, 6, 22), (7, 4, 4)]
     # A chunk after earlier context is masked; a whole prompt uses SDPA's own causal mode.
     assert [chunk.mask is None for chunk in layout.prefills] == [False, True]
@@ -170,12 +172,13 @@ def sharing_batch(dtype: torch.dtype) -> PagedBatch:
     return replace(batch, block_table=table, k_cache=head_major(batch.k_cache), v_cache=head_major(batch.v_cache))
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch-only"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decodes_sharing_a_prefix_attend_to_it_once_and_match_the_reference(dtype: torch.dtype) -> None:
+def test_decodes_sharing_a_prefix_attend_to_it_once_and_match_the_reference(dtype: torch.dtype, native: bool) -> None:
     batch = sharing_batch(dtype)
-    backend = torch_backend()
+    backend = torch_backend(native=native)
     planned = backend.plan(metadata_of(batch))
-    layout = planned.plan.layout(16, dtype)
+    layout = planned.plan.layout(16, dtype, native and dtype == torch.float32)
     # Only 0-3 form a group (4 and 5 share one block, and 5 is not decoding); the shared
     # part stops before the shortest member's newest token.
     assert [(sorted(p.tokens.tolist()), p.num_blocks) for p in layout.shared_prefixes] == [([0, 1, 2, 3], 6)]
@@ -205,7 +208,7 @@ def test_a_prefix_ending_at_a_members_newest_token_is_shared_only_before_it() ->
     seq_lens[0] = 5 * 16 + 1  # its newest token opens block 5, which the others share
     batch = replace(batch, seq_lens=seq_lens)
     planned = torch_backend().plan(metadata_of(batch))
-    assert [p.num_blocks for p in planned.plan.layout(16, torch.float32).shared_prefixes] == [5]
+    assert [p.num_blocks for p in planned.plan.layout(16, torch.float32, True).shared_prefixes] == [5]
     actual = torch_backend().attend(batch.q, batch.k_cache, batch.v_cache, planned, batch.scale)
     torch.testing.assert_close(actual, unified_attention_ref(*batch.args()), atol=1e-5, rtol=0)
 

@@ -23,6 +23,7 @@ from pagedllm.kernels.reference import copy_blocks_ref, unified_attention_ref, w
 from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.worker.cpu_attention import CpuPagedAttention, new_cpu_cache, write_kv_cpu
 from pagedllm.worker.cpu_attention_plan import plan_cpu_attention
+from pagedllm.worker.native_decode import load_native_decode
 
 # Set to "1" to run the Triton-lang kernels even on CPU (with TRITON_INTERPRET=1).
 FORCE_TRITON_ENV = "PAGEDLLM_FORCE_TRITON"
@@ -68,10 +69,15 @@ REFERENCE_BACKEND = AttentionBackend("torch-reference", _unplanned, _attend_refe
 BACKEND_NAMES = ("torch", "triton", "torch-reference")
 
 
-def torch_backend() -> AttentionBackend:
-    """The production plain-torch backend; each one owns its own reusable gather buffers."""
-    return AttentionBackend("torch", plan_cpu_attention, CpuPagedAttention().attend, write_kv_cpu, copy_blocks_ref,
-                            new_cpu_cache)
+def torch_backend(native: bool = True) -> AttentionBackend:
+    """The production CPU backend; each one owns its own reusable gather buffers.
+
+    ``native`` runs float32 decodes in the compiled routine when it can be built
+    (:mod:`pagedllm.worker.native_decode`); ``False`` keeps every step in plain torch.
+    """
+    routine = load_native_decode() if native else None
+    return AttentionBackend("torch", plan_cpu_attention, CpuPagedAttention(routine).attend, write_kv_cpu,
+                            copy_blocks_ref, new_cpu_cache)
 
 
 def triton_backend() -> AttentionBackend:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from pagedllm.kernels.reference import write_kv_ref
 from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.worker.cpu_attention_plan import CpuAttentionPlan, DecodeBatch, SharedPrefix
+from pagedllm.worker.native_decode import NativeDecode
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -64,6 +65,12 @@ def _head_major(cache: torch.Tensor) -> torch.Tensor:
     return cache.permute(2, 0, 1, 3)
 
 
+def _native_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """The compiled decode routine reads float32 head-major caches on the CPU."""
+    return (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and _head_major(k_cache).is_contiguous() and _head_major(v_cache).is_contiguous())
+
+
 def write_kv_cpu(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -88,9 +95,15 @@ def write_kv_cpu(
 
 
 class CpuPagedAttention:
-    """Runs a planned step's attention; owns the gather buffers reused across layers and steps."""
+    """Runs a planned step's attention; owns the gather buffers reused across layers and steps.
 
-    def __init__(self) -> None:
+    With ``native`` (:func:`pagedllm.worker.native_decode.load_native_decode`), float32 decodes
+    run in the compiled routine, which reads their blocks in place; everything else, and
+    every decode when ``native`` is ``None``, runs in torch.
+    """
+
+    def __init__(self, native: NativeDecode | None = None) -> None:
+        self._native = native
         self._buffers: dict[tuple[str, torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = {}
 
     def attend(
@@ -108,7 +121,8 @@ class CpuPagedAttention:
                              "step and pass its result to every layer")
         num_tokens, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        layout = plan.layout(block_size, q.dtype)
+        native = self._native if _native_fits(q, k_cache, v_cache) else None
+        layout = plan.layout(block_size, q.dtype, native is not None)
         # [kv_heads, rows, block_size, head_dim]
         keys = self._gather("k", k_cache, layout.block_ids)
         values = self._gather("v", v_cache, layout.block_ids)
@@ -120,7 +134,11 @@ class CpuPagedAttention:
         out = torch.empty_like(q)
         # Per token and head, the log-sum-exp of its scores: what merging a shared prefix's part needs.
         lse = (torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
-               if layout.shared_prefixes else None)
+               if layout.shared_prefixes or layout.native_decodes is not None else None)
+        if native is not None and layout.native_decodes is not None:
+            decodes = layout.native_decodes
+            native(q.contiguous(), _head_major(k_cache), _head_major(v_cache), decodes.rows, decodes.block_table,
+                   decodes.first_block, decodes.lens, scale, out, lse)
         for batch in layout.decodes:
             attended, batch_lse = self._decode(q.index_select(0, batch.tokens), keys, values, batch, scale, group)
             out.index_copy_(0, batch.tokens, attended.reshape(batch.num_seqs, num_heads, head_dim))

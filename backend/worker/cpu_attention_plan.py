@@ -45,6 +45,17 @@ class DecodeBatch:
 
 
 @dataclass(frozen=True, slots=True)
+class NativeDecodes:
+    """Every decode of the step, for the compiled routine (:mod:`pagedllm.worker.native_decode`), which reads
+    their blocks where they lie: they are neither gathered nor padded."""
+
+    rows: np.ndarray  # int64 [num_seqs]: each sequence's query token
+    block_table: np.ndarray  # int64 [num_seqs, width]
+    first_block: np.ndarray  # int64 [num_seqs]: the columns before it are attended through a SharedPrefix
+    lens: np.ndarray  # int64 [num_seqs]: slots attended from first_block on
+
+
+@dataclass(frozen=True, slots=True)
 class SharedPrefix:
     """Decodes that start with the same blocks: their queries attend to those blocks as one block of rows.
 
@@ -79,6 +90,7 @@ class StepLayout:
 
     block_ids: torch.Tensor  # int64 [rows]: every group's blocks, gathered in one index_select
     decodes: tuple[DecodeBatch, ...]
+    native_decodes: NativeDecodes | None  # the decodes instead, when the compiled routine runs them
     shared_prefixes: tuple[SharedPrefix, ...]
     prefills: tuple[PrefillChunk, ...]
     # All decodes, in one batch, in the batch's own order, none with a shared prefix: the
@@ -88,22 +100,23 @@ class StepLayout:
 
 @dataclass(frozen=True, slots=True)
 class CpuAttentionPlan:
-    """The step's lengths and block table on the host; layouts derived once per (block size, dtype).
+    """The step's lengths and block table on the host; layouts derived once per (block size, dtype, native).
 
     The block size and dtype belong to the cache, which the metadata does not
     describe, so the first layer derives the layout and every later layer reuses it.
+    ``native`` says whether the compiled decode routine runs the decodes.
     """
 
     starts: np.ndarray  # int64 [num_seqs + 1]
     seq_lens: np.ndarray  # int64 [num_seqs]
     block_table: np.ndarray  # int64 [num_seqs, width]
     device: torch.device
-    layouts: dict[tuple[int, torch.dtype], StepLayout] = field(default_factory=dict)
+    layouts: dict[tuple[int, torch.dtype, bool], StepLayout] = field(default_factory=dict)
 
-    def layout(self, block_size: int, dtype: torch.dtype) -> StepLayout:
-        key = (block_size, dtype)
+    def layout(self, block_size: int, dtype: torch.dtype, native: bool) -> StepLayout:
+        key = (block_size, dtype, native)
         if key not in self.layouts:
-            self.layouts[key] = _layout(self, block_size, dtype)
+            self.layouts[key] = _layout(self, block_size, dtype, native)
         return self.layouts[key]
 
 
@@ -118,7 +131,7 @@ def plan_cpu_attention(metadata: AttentionMetadata) -> AttentionMetadata:
     return replace(metadata, plan=plan)
 
 
-def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype) -> StepLayout:
+def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native: bool) -> StepLayout:
     """Index math in numpy, one host-to-torch conversion per tensor: this runs once per step."""
     query_lens = np.diff(plan.starts)
     num_blocks = -(-plan.seq_lens // block_size)
@@ -135,8 +148,12 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype) -> Step
         rows += shared
 
     decodes = []
+    native_decodes = None
+    if native and len(decoding):
+        native_decodes = NativeDecodes(plan.starts[decoding], np.ascontiguousarray(plan.block_table[decoding]),
+                                       skipped[decoding], plan.seq_lens[decoding] - skipped[decoding] * block_size)
     own_blocks = num_blocks - skipped
-    for seqs in _decode_batches(decoding, own_blocks):
+    for seqs in [] if native else _decode_batches(decoding, own_blocks):
         width = int(own_blocks[seqs].max())
         # Columns past a row's own blocks hold whatever the table has there; the mask hides them.
         columns = np.minimum(skipped[seqs, None] + np.arange(width)[None, :], plan.block_table.shape[1] - 1)
@@ -164,7 +181,8 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype) -> Step
     ids = np.concatenate(block_ids) if block_ids else np.zeros(0, dtype=np.int64)
     # Every sequence decodes, in one batch: _decode_batches kept them in the batch's order.
     in_order = len(decodes) == 1 and decodes[0].num_seqs == len(query_lens) and not shared_prefixes
-    return StepLayout(_tensor(ids, plan.device), tuple(decodes), tuple(shared_prefixes), tuple(prefills), in_order)
+    return StepLayout(_tensor(ids, plan.device), tuple(decodes), native_decodes, tuple(shared_prefixes),
+                      tuple(prefills), in_order)
 
 
 def _shared_prefixes(seqs: np.ndarray, block_table: np.ndarray, seq_lens: np.ndarray,

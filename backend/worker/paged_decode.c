@@ -1,0 +1,137 @@
+/* Decode attention that reads the paged KV cache where it lies: one query token per sequence.
+ *
+ * Built on first use by pagedllm/worker/native_decode.py (cc -O3 -march=native) and called
+ * through ctypes; the plain-torch path in cpu_attention.py is the fallback when no compiler is
+ * found. Caches are head-major, [kv_heads, num_blocks, block_size, head_dim], so one KV head's
+ * block is one contiguous [block_size, head_dim] matrix. A KV head's query heads (its "group")
+ * attend together, so each K and V row is loaded once for all of them.
+ *
+ * float32 only. -ffast-math is avoided on purpose: on gcc < 13 it links crtfastmath.o, which
+ * flips the whole process to flush-to-zero when the library is loaded. The exp below is
+ * therefore spelled out, so that the compiler can vectorize it without libmvec.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* exp(x) for x <= 0, within 2 ulp: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 polynomial. */
+#pragma omp declare simd
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = nearbyintf(x * 1.44269504f);
+    float r = x - n * 0.693145752f - n * 1.42860677e-6f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { int32_t i; float f; } scale = { .i = ((int32_t)n + 127) << 23 };
+    return p * scale.f;
+}
+
+static inline float dot(const float* restrict a, const float* restrict b, int64_t n) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+    return sum;
+}
+
+static inline void add_scaled(float* restrict y, float a, const float* restrict x, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+/* Hardware prefetchers stop at page edges and blocks are scattered, so ask for the next block
+ * while this one is read: a line per call, spread over the block's rows. */
+static inline void prefetch_rows(const float* block, int64_t row, int64_t head_dim) {
+    if (!block) return;
+    const char* start = (const char*)(block + row * head_dim);
+    for (int64_t offset = 0; offset < head_dim * (int64_t)sizeof(float); offset += 64) __builtin_prefetch(start + offset);
+}
+
+/* One sequence, one KV head: out[g] = softmax(scale * q[g] K^T) V and lse[g] its log-sum-exp.
+ * Inlined into each call site so that a constant head_dim unrolls the row loops. */
+static inline __attribute__((always_inline)) void attend_head(const float* q, int64_t group, int64_t head_dim, const float* k_head, const float* v_head,
+                        const int64_t* blocks, int64_t len, int64_t block_size, float scale,
+                        float* out, float* lse, float* scores /* [group, len] */) {
+    const int64_t block_numel = block_size * head_dim;
+    for (int64_t start = 0, j = 0; start < len; start += block_size, ++j) {
+        const float* keys = k_head + blocks[j] * block_numel;
+        const float* next = start + block_size < len ? k_head + blocks[j + 1] * block_numel : NULL;
+        const int64_t rows = len - start < block_size ? len - start : block_size;
+        for (int64_t t = 0; t < rows; ++t) {
+            prefetch_rows(next, t, head_dim);
+            for (int64_t g = 0; g < group; ++g)
+                scores[g * len + start + t] = dot(q + g * head_dim, keys + t * head_dim, head_dim) * scale;
+        }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+        float* s = scores + g * len;
+        float max = -FLT_MAX;
+#pragma omp simd reduction(max : max)
+        for (int64_t t = 0; t < len; ++t) max = s[t] > max ? s[t] : max;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+            s[t] = exp_nonpositive(s[t] - max);
+            sum += s[t];
+        }
+        const float inverse = 1.0f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < len; ++t) s[t] *= inverse;
+        lse[g] = max + logf(sum);
+        for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = 0.0f;
+    }
+    for (int64_t start = 0, j = 0; start < len; start += block_size, ++j) {
+        const float* values = v_head + blocks[j] * block_numel;
+        const float* next = start + block_size < len ? v_head + blocks[j + 1] * block_numel : NULL;
+        const int64_t rows = len - start < block_size ? len - start : block_size;
+        for (int64_t t = 0; t < rows; ++t) {
+            prefetch_rows(next, t, head_dim);
+            for (int64_t g = 0; g < group; ++g)
+                add_scaled(out + g * head_dim, scores[g * len + start + t], values + t * head_dim, head_dim);
+        }
+    }
+}
+
+/* q, out: [tokens, kv_heads * group, head_dim]; lse: [tokens, kv_heads * group].
+ * Sequence i's query is token rows[i]; it attends to its first lens[i] cache slots, counted from
+ * column first_block[i] of its block-table row (the blocks before it belong to a shared prefix).
+ * Returns 0, or 1 when the scratch buffer could not be allocated (out and lse are then undefined). */
+int pagedllm_paged_decode_f32(const float* q, const float* k_cache, const float* v_cache,
+                              const int64_t* rows, const int64_t* block_table, int64_t table_width,
+                              const int64_t* first_block, const int64_t* lens, int64_t num_seqs,
+                              int64_t kv_heads, int64_t group, int64_t head_dim, int64_t num_blocks,
+                              int64_t block_size, float scale, int64_t max_len, int threads,
+                              float* out, float* lse) {
+    int failed = 0;
+    const int64_t heads = kv_heads * group;
+    const int64_t head_numel = num_blocks * block_size * head_dim;
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
+    {
+        float* scores = malloc(sizeof(float) * (size_t)(group * (max_len > 0 ? max_len : 1)));
+        failed = scores == NULL;
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t i = 0; i < num_seqs * kv_heads; ++i) {
+            if (scores == NULL) continue;
+            const int64_t seq = i / kv_heads, head = i % kv_heads;
+            const int64_t offset = rows[seq] * heads + head * group;
+            const float *q_head = q + offset * head_dim, *k_head = k_cache + head * head_numel,
+                        *v_head = v_cache + head * head_numel;
+            const int64_t* blocks = block_table + seq * table_width + first_block[seq];
+            float *out_head = out + offset * head_dim, *lse_head = lse + offset;
+            if (head_dim == 64)
+                attend_head(q_head, group, 64, k_head, v_head, blocks, lens[seq], block_size, scale, out_head, lse_head, scores);
+            else if (head_dim == 128)
+                attend_head(q_head, group, 128, k_head, v_head, blocks, lens[seq], block_size, scale, out_head, lse_head, scores);
+            else
+                attend_head(q_head, group, head_dim, k_head, v_head, blocks, lens[seq], block_size, scale, out_head,
+                            lse_head, scores);
+        }
+        free(scores);
+    }
+    return failed;
+}

@@ -1,0 +1,116 @@
+"""The compiled paged decode routine: how it is built and loaded, what it refuses, and that the backend
+sends it every float32 decode (its numbers against the reference are in test_cpu_attention.py)."""
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.kernels import unified_attention_ref
+from pagedllm.worker import native_decode
+from pagedllm.worker.attention_backend import torch_backend
+from pagedllm.worker.native_decode import load_native_decode
+
+from test_cpu_attention import CASES, head_major, make_batch, metadata_of
+
+
+@pytest.fixture
+def fresh_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """Each call builds or refuses anew, into a private cache."""
+    monkeypatch.setenv(native_decode.CACHE_ENV, str(tmp_path))
+    load_native_decode.cache_clear()
+    yield
+    load_native_decode.cache_clear()
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+def test_it_builds_once_and_is_reused(fresh_load: None, tmp_path: Path) -> None:
+    assert load_native_decode() is not None
+    [built] = tmp_path.glob("paged_decode-*.so")
+    stamp = built.stat().st_mtime_ns
+    load_native_decode.cache_clear()
+    assert load_native_decode() is not None
+    assert list(tmp_path.glob("paged_decode-*.so")) == [built] and built.stat().st_mtime_ns == stamp
+
+
+def test_switched_off_it_is_never_built(fresh_load: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native_decode.SWITCH_ENV, "0")
+    assert load_native_decode() is None
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("compiler", ["no-such-compiler", "false"], ids=["missing", "failing"])
+def test_without_a_working_compiler_the_torch_path_runs_and_says_why(
+    fresh_load: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, compiler: str
+) -> None:
+    monkeypatch.setenv("CC", compiler)
+    with caplog.at_level(logging.WARNING, logger=native_decode.__name__):
+        assert load_native_decode() is None
+    assert "plain-torch path" in caplog.text
+    batch = make_batch(CASES["decode-gqa4-d64-b16"])
+    batch = replace(batch, k_cache=head_major(batch.k_cache), v_cache=head_major(batch.v_cache))
+    backend = torch_backend()
+    planned = backend.plan(metadata_of(batch))
+    actual = backend.attend(batch.q, batch.k_cache, batch.v_cache, planned, batch.scale)
+    torch.testing.assert_close(actual, unified_attention_ref(*batch.args()), atol=1e-5, rtol=0)
+    assert planned.plan.layouts and all(layout.native_decodes is None for layout in planned.plan.layouts.values())
+
+
+@pytest.fixture
+def routine() -> native_decode.NativeDecode:
+    built = load_native_decode()
+    if built is None:
+        pytest.skip("the native routine cannot be built here")
+    return built
+
+
+def test_decodes_go_to_it_unbatched_and_only_prefills_are_gathered(routine: native_decode.NativeDecode) -> None:
+    case = CASES["mixed-gqa8-d96-b16"]  # decodes at tokens 0 and 11, prefill chunks at 1 and 7
+    batch = make_batch(case)
+    layout = torch_backend().plan(metadata_of(batch)).plan.layout(case.block_size, case.dtype, True)
+    assert layout.native_decodes is not None and not layout.decodes
+    assert layout.native_decodes.rows.tolist() == [0, 11]
+    assert layout.native_decodes.lens.tolist() == [case.seq_lens[0], case.seq_lens[3]]
+    prefill_blocks = sum(-(-case.seq_lens[i] // case.block_size) for i in (1, 2))
+    assert layout.block_ids.numel() == prefill_blocks
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_it_matches_the_reference_on_long_scattered_contexts(routine: native_decode.NativeDecode,
+                                                             threads: int) -> None:
+    seq_lens = (1, 16, 17, 700, 1500, 333, 64, 900)
+    case = replace(CASES["decode-gqa4-d64-b16"], query_lens=(1,) * len(seq_lens), seq_lens=seq_lens)
+    batch = make_batch(case, seed=9)
+    batch = replace(batch, k_cache=head_major(batch.k_cache), v_cache=head_major(batch.v_cache))
+    backend = torch_backend()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        actual = backend.attend(batch.q, batch.k_cache, batch.v_cache, backend.plan(metadata_of(batch)), batch.scale)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(actual, unified_attention_ref(*batch.args()), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("bad", ["block id past the cache", "negative block id", "context past the row"])
+def test_a_table_it_would_read_outside_the_cache_with_is_refused(routine: native_decode.NativeDecode,
+                                                                 bad: str) -> None:
+    q = torch.zeros(1, 4, 64)
+    cache = torch.zeros(2, 3, 16, 64)  # head-major: 2 KV heads, 3 blocks
+    table = np.array([[0, 1]], dtype=np.int64)
+    lens = np.array([20], dtype=np.int64)
+    if bad == "block id past the cache":
+        table[0, 1] = 3
+    elif bad == "negative block id":
+        table[0, 0] = -1
+    else:
+        lens[0] = 33
+    with pytest.raises(ValueError, match="block table holds ids outside|runs past the end"):
+        routine(q, cache, cache, np.zeros(1, dtype=np.int64), table, np.zeros(1, dtype=np.int64), lens, 0.125,
+                torch.empty_like(q), torch.empty(1, 4))
