@@ -39,14 +39,18 @@ def test_tiny_run_prints_every_table_and_agrees_with_reference(
     assert [row["section"] for row in cpu_rows] == ["cpu layer"] * len(cpu.batches) * len(cpu.contexts) + [
         "cpu step"] * len(cpu.sizes) * len(cpu.batches) * len(cpu.contexts)
     assert all(row["reference_ms"] > 0 and row["production_ms"] > 0 for row in cpu_rows)
-    assert "| shape | reference ms | production ms | production speed-up |" in printed
+    assert "| shape | reference ms | torch path ms | production ms | production speed-up |" in printed
+    linears = json.loads((tmp_path / "kernels.json").read_text())["cpu_linears"]
+    assert [row["shape"].split(" ")[1] for row in linears] == ["qkv", "gate/up", "down", "lm"]
+    assert all(row["mkl_ms"] > 0 and row["packed_ms"] > 0 and row["max_error"] < 1e-5 for row in linears)
+    assert "| shape | F.linear ms | packed ms | packed speed-up | max rel. diff |" in printed
 
 
 def test_a_wrong_production_cpu_backend_fails_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedllm.worker import attention_backend
 
-    def off_by_a_bit() -> attention_backend.AttentionBackend:
-        backend = attention_backend.torch_backend()
+    def off_by_a_bit(native: bool = True) -> attention_backend.AttentionBackend:
+        backend = attention_backend.torch_backend(native)
         return replace(backend, attend=lambda *args: backend.attend(*args) + 1e-3)
 
     monkeypatch.setattr(bench.cpu_attention, "torch_backend", off_by_a_bit)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from torch import nn
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -19,6 +20,7 @@ from pagedllm.worker.attention_backend import attention_backend_named
 from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.models import CausalLM, load_model
 from pagedllm.models.cpu_dtypes import native_cpu_dtypes, unsupported_cpu_dtype_message
+from pagedllm.models.cpu_linear import SWITCH_ENV, PackedLinear
 
 ARCHES = ["llama", "mistral", "qwen2", "qwen3"]
 # The production CPU attention, and the kernels' oracle it must agree with.
@@ -26,7 +28,10 @@ CPU_BACKENDS = ["torch", "torch-reference"]
 BLOCK_SIZE = 16
 NUM_BLOCKS = 24
 CPU = torch.device("cpu")
-ATOL = 1e-4
+# Logits here reach ~12. MKL (transformers' F.linear) and oneDNN (our packed CPU linears) add in
+# different orders: swapping one for the other inside transformers' own forward moves them by
+# 1.2e-4. The unpacked path (PAGEDLLM_CPU_LINEAR=mkl) is held to the old 1e-4.
+ATOL = {"onednn": 2.5e-4, "mkl": 1e-4}
 UNWRITTEN = 1e4
 
 
@@ -106,9 +111,16 @@ def load(model_dir: Path, dtype: torch.dtype = torch.float32, backend: str = "to
     return load_model(model_dir, dtype, CPU, attention_backend_named(backend))
 
 
+@pytest.fixture(params=["onednn", "mkl"])
+def linears(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which CPU linears the models load with: packed for oneDNN (the default) or plain F.linear."""
+    monkeypatch.setenv(SWITCH_ENV, request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("arch", ARCHES)
-def test_chunked_prefill_then_decode_matches_transformers(arch: str, backend: str,
+def test_chunked_prefill_then_decode_matches_transformers(arch: str, backend: str, linears: str,
                                                           tiny_model_dir: Callable[[str], Path]) -> None:
     model_dir = tiny_model_dir(arch)
     model = load(model_dir, backend=backend)
@@ -118,12 +130,13 @@ def test_chunked_prefill_then_decode_matches_transformers(arch: str, backend: st
     run_step(model, caches, [(seq, 17)])  # rest of the 40-token prompt
     for _ in range(4):
         run_step(model, caches, [(seq, 1)])
-    torch.testing.assert_close(torch.cat(seq.logits), reference_logits(model_dir, seq.tokens), atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.cat(seq.logits), reference_logits(model_dir, seq.tokens), atol=ATOL[linears],
+                               rtol=0)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("arch", ARCHES)
-def test_mixed_batch_matches_transformers_per_sequence(arch: str, backend: str,
+def test_mixed_batch_matches_transformers_per_sequence(arch: str, backend: str, linears: str,
                                                        tiny_model_dir: Callable[[str], Path]) -> None:
     model_dir = tiny_model_dir(arch)
     model = load(model_dir, backend=backend)
@@ -134,7 +147,8 @@ def test_mixed_batch_matches_transformers_per_sequence(arch: str, backend: str,
     run_step(model, caches, [(c, 1), (a, 1), (b, 1)])
     run_step(model, caches, [(b, 1), (c, 1)])
     for seq in (a, b, c):
-        torch.testing.assert_close(torch.cat(seq.logits), reference_logits(model_dir, seq.tokens), atol=ATOL, rtol=0)
+        torch.testing.assert_close(torch.cat(seq.logits), reference_logits(model_dir, seq.tokens),
+                                   atol=ATOL[linears], rtol=0)
 
 
 def test_model_reports_cache_geometry(tiny_model_dir: Callable[[str], Path]) -> None:
@@ -149,27 +163,57 @@ def test_sharded_checkpoint_loads_the_same_weights(tiny_model_dir: Callable[[str
     hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="1MB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
-    sharded, single = load(tmp_path).state_dict(), load(source).state_dict()
+    sharded, single = weights(load(tmp_path)), weights(load(source))
     assert sharded.keys() == single.keys()
     for name, tensor in single.items():
         assert torch.equal(sharded[name], tensor), name
 
 
-def test_tied_embeddings_use_the_embedding_matrix(tiny_model_dir: Callable[[str], Path]) -> None:
+def weights(model: CausalLM) -> dict[str, torch.Tensor]:
+    """Every tensor the model computes with, packed linears unpacked, by checkpoint-style name."""
+    found = dict(model.state_dict())
+    for name, module in model.named_modules():
+        if isinstance(module, PackedLinear):
+            found[f"{name}.weight"] = module.packed.to_dense()
+            if module.bias is not None:
+                found[f"{name}.bias"] = module.bias
+    return found
+
+
+def test_tied_embeddings_use_the_embedding_matrix(tiny_model_dir: Callable[[str], Path], linears: str) -> None:
     model_dir = tiny_model_dir("qwen2")
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as handle:
         assert "lm_head.weight" not in handle.keys()
     model = load(model_dir)
-    assert model.lm_head is None
+    # Packed, the head is a copy of the embedding in oneDNN's layout; unpacked, it is the embedding itself.
+    assert (model.lm_head is None) == (linears == "mkl")
     hidden = torch.randn(3, model.config.hidden_size)
     expected = hidden @ model.model.embed_tokens.weight.T
     torch.testing.assert_close(model.compute_logits(hidden), expected)
+    assert torch.equal(weights(model).get("lm_head.weight", model.model.embed_tokens.weight),
+                       model.model.embed_tokens.weight)
 
 
-def test_untied_head_is_its_own_matrix(tiny_model_dir: Callable[[str], Path]) -> None:
+def test_untied_head_is_its_own_matrix(tiny_model_dir: Callable[[str], Path], linears: str) -> None:
     model = load(tiny_model_dir("llama"))
     assert model.lm_head is not None
-    assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    assert not torch.equal(weights(model)["lm_head.weight"], model.model.embed_tokens.weight)
+
+
+def test_float32_cpu_linears_are_packed_unless_switched_off(tiny_model_dir: Callable[[str], Path],
+                                                             linears: str) -> None:
+    model = load(tiny_model_dir("qwen3"))
+    kinds = {type(module) for module in model.modules()} & {nn.Linear, PackedLinear}
+    assert kinds == ({PackedLinear} if linears == "onednn" else {nn.Linear})
+    assert {type(module) for module in load(tiny_model_dir("qwen3"), torch.bfloat16).modules()} & {
+        nn.Linear, PackedLinear} == {nn.Linear}
+
+
+def test_an_unknown_cpu_linear_choice_is_refused(tiny_model_dir: Callable[[str], Path],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SWITCH_ENV, "openblas")
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_LINEAR='openblas' is invalid: expected one of onednn, mkl"):
+        load(tiny_model_dir("llama"))
 
 
 def test_bfloat16_load_casts_weights_and_returns_float32_logits(tiny_model_dir: Callable[[str], Path]) -> None:

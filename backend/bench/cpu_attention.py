@@ -1,4 +1,4 @@
-"""CPU attention, side by side: the production plain-torch backend against the reference oracle.
+"""CPU attention, side by side: the production backend against the reference oracle.
 
 Printed by ``pagedllm bench kernels`` on CPU. Two tables, each variant run
 interleaved with the other in one process (the median of ``reps`` runs), at 1
@@ -7,7 +7,8 @@ thread unless the caller set otherwise:
 * per layer: one decode step's attention for the tiny and small checkpoints'
   head layouts, 32 and 128 sequences, contexts ~300 and ~1000 (±25%, so the
   sequences differ in length as in a serving batch). The production backend's
-  once-per-step plan is timed apart and shown per step;
+  once-per-step plan is timed apart and shown per step, and so is its plain-torch
+  path (the gather + SDPA that runs when the compiled decode routine cannot be built);
 * per decode step: the checkpoint's whole forward plus logits (embedding, every
   layer's K/V write, attention and linears), with each backend planning once.
 """
@@ -26,6 +27,7 @@ from pagedllm.testing.paged_batch import PagedBatch, random_paged_batch
 from pagedllm.worker.attention_backend import REFERENCE_BACKEND, AttentionBackend, torch_backend
 from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.worker.cpu_attention_plan import CpuAttentionPlan, plan_cpu_attention
+from pagedllm.worker.native_decode import load_native_decode
 
 BLOCK_SIZE = 16
 # The production backend must agree with the reference this closely (fp32), relative to
@@ -54,6 +56,7 @@ class CpuRow:
     reference_ms: float
     production_ms: float
     plan_ms: float | None = None
+    torch_path_ms: float | None = None  # the production backend without its compiled decode routine
     max_error: float | None = None  # max |production - reference| / max |reference|
 
     @property
@@ -93,7 +96,7 @@ def layer_rows(workload: Workload) -> list[CpuRow]:
         for context in workload.contexts:
             for num_seqs in workload.batches:
                 batch = decode_batch(num_seqs, context, num_heads, num_kv_heads, head_dim, generator)
-                production = torch_backend()
+                production, torch_path = torch_backend(), torch_backend(native=False)
                 planned = production.plan(metadata_of(batch))
                 k_cache, v_cache = (_in_layout(production, cache) for cache in (batch.k_cache, batch.v_cache))
                 variants = {
@@ -102,9 +105,14 @@ def layer_rows(workload: Workload) -> list[CpuRow]:
                                                                   metadata_of(batch), batch.scale),
                     "production": lambda: production.attend(batch.q, k_cache, v_cache, planned, batch.scale),
                 }
+                if load_native_decode() is not None:
+                    variants["torch path"] = lambda: torch_path.attend(batch.q, k_cache, v_cache,
+                                                                       torch_path.plan(metadata_of(batch)),
+                                                                       batch.scale)
                 times = interleaved(variants, workload.reps)
                 rows.append(CpuRow("cpu layer", f"{size} heads {num_heads}/{num_kv_heads} x {num_seqs} seqs x ctx "
                                    f"~{context}", times["reference"], times["production"], times["plan"],
+                                   times.get("torch path"),
                                    relative_error(variants["production"](), variants["reference"]())))
     return rows
 
@@ -118,7 +126,7 @@ def _plan_fully(batch: PagedBatch) -> None:
     """The production plan including the layout its first layer derives (block size and dtype known)."""
     plan = plan_cpu_attention(metadata_of(batch)).plan
     if isinstance(plan, CpuAttentionPlan):
-        plan.layout(batch.k_cache.shape[1], batch.q.dtype)
+        plan.layout(batch.k_cache.shape[1], batch.q.dtype, load_native_decode() is not None)
 
 
 def step_rows(workload: Workload) -> list[CpuRow]:
@@ -190,11 +198,14 @@ def interleaved(variants: dict[str, Callable[[], object]], reps: int) -> dict[st
 
 def _print(rows: Sequence[CpuRow], title: str) -> None:
     print(f"CPU attention, {title} ({torch.get_num_threads()} thread(s)); production = "
-          f"pagedllm.worker.cpu_attention, reference = pagedllm.kernels.reference\n")
-    print("| shape | reference ms | production ms | production speed-up | plan ms (once per step) | max rel. diff |")
-    print("|---|---|---|---|---|---|")
+          f"pagedllm.worker.cpu_attention (compiled decode routine: {'not built' if load_native_decode() is None else 'yes'}), "
+          f"torch path = the same without it, reference = pagedllm.kernels.reference\n")
+    print("| shape | reference ms | torch path ms | production ms | production speed-up | plan ms (once per step) "
+          "| max rel. diff |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         plan = "-" if row.plan_ms is None else f"{row.plan_ms:.3f}"
-        print(f"| {row.shape} | {row.reference_ms:.3f} | {row.production_ms:.3f} | {row.speedup:.2f}x | {plan} | "
-              f"{row.max_error:.1e} |")
+        torch_path = "-" if row.torch_path_ms is None else f"{row.torch_path_ms:.3f}"
+        print(f"| {row.shape} | {row.reference_ms:.3f} | {torch_path} | {row.production_ms:.3f} | {row.speedup:.2f}x "
+              f"| {plan} | {row.max_error:.1e} |")
     print()

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pagedllm.bench import cpu_attention
+from pagedllm.bench import cpu_attention, cpu_linears
 from pagedllm.kernels import unified_attention_ref
 from pagedllm.kernels.attention_heuristics import plan_attention
 from pagedllm.testing.paged_batch import PagedBatch, random_paged_batch
@@ -126,11 +126,15 @@ def run(args: argparse.Namespace) -> None:
     prefill = _prefill(shapes, device, generator, timer)
     _print(prefill, ("shape", "triton_ms", "metric", "sdpa_ms", "sdpa_metric", "ratio"), metric="TFLOP/s")
     cpu_rows = []
+    linears = []
     if device.type == "cpu":
         cpu_rows = cpu_attention.run_cpu_tables(cpu_attention.TINY if args.tiny else cpu_attention.FULL)
+        linears = (cpu_linears.linear_rows(("tiny",), (4,), 1) if args.tiny
+                   else cpu_linears.linear_rows(("tiny", "small"), (1, 4, 8, 32, 2048), 7))
     if args.json is not None:
         args.json.write_text(json.dumps({"device": name, "rows": [asdict(r) for r in rows + decode + prefill],
-                                         "cpu_rows": [asdict(r) for r in cpu_rows]}, default=str, indent=1))
+                                         "cpu_rows": [asdict(r) for r in cpu_rows],
+                                         "cpu_linears": [asdict(r) for r in linears]}, default=str, indent=1))
     if not all(row.ok for row in rows):
         raise SystemExit("unified_attention disagrees with the reference")
     if any(row.max_error is None or row.max_error > cpu_attention.MAX_ERROR for row in cpu_rows):

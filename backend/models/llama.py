@@ -23,9 +23,7 @@ from pagedllm.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, head_
 
 
 def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
-    # Plain F.linear (MKL sgemm on CPU): oneDNN prepacked weights (torch.ops.mkldnn._linear_pointwise)
-    # measured 1.02-1.13x on whole decode steps here, within the host's noise, and round differently
-    # from the F.linear that transformers runs, which the fp32 token-exact guarantee rests on.
+    # The loader packs these for oneDNN on CPUs in float32 (pagedllm.models.cpu_linear).
     layer = nn.Linear(in_features, out_features, bias=bias)
     layer.requires_grad_(False)
     return layer
@@ -142,7 +140,9 @@ class CausalLM(nn.Module):
         self.sliding_window: int | None = traits.sliding_window
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.model = Backbone(config, traits, attention)
-        self.lm_head = None if self.tie_word_embeddings else _linear(config.hidden_size, config.vocab_size, False)
+        # None: the embedding's weight (tied), unless the loader packed a copy of it for the CPU.
+        self.lm_head: nn.Module | None = (None if self.tie_word_embeddings
+                                          else _linear(config.hidden_size, config.vocab_size, False))
         self.rotary = RotaryEmbedding(config, device)
 
     def checkpoint_sources(self) -> dict[str, list[str]]:
@@ -187,5 +187,6 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()

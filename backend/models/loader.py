@@ -19,6 +19,7 @@ from transformers import AutoConfig
 from pagedllm.worker.attention_backend import AttentionBackend
 from pagedllm.models.architectures import resolve_architecture
 from pagedllm.models.cpu_dtypes import warn_if_emulated
+from pagedllm.models.cpu_linear import PackedLinear, pack_linears, packing_applies
 from pagedllm.models.llama import CausalLM
 
 SINGLE_FILE = "model.safetensors"
@@ -33,6 +34,7 @@ def load_model(
 ) -> CausalLM:
     """Build the model for ``model_dir`` and fill it with the checkpoint's weights.
 
+    Float32 linears on a CPU are packed for oneDNN (:mod:`pagedllm.models.cpu_linear`).
     Logs a warning when ``dtype`` is a half type this CPU only emulates (see
     :mod:`pagedllm.models.cpu_dtypes`). Raises ``ValueError`` for an unsupported architecture, a directory without
     safetensors weights, or a checkpoint whose tensors do not match the model
@@ -69,7 +71,13 @@ def load_model(
     if wrong:
         raise ValueError(f"checkpoint {model_dir} has tensors of the wrong shape: {wrong[:5]}")
     model.load_state_dict(state, strict=True, assign=True)
+    del state  # so that packing frees each unpacked weight as it goes
     model.requires_grad_(False)
+    if packing_applies(dtype, device):
+        pack_linears(model)
+        if model.lm_head is None:
+            # A tied head gets its own packed copy; the embedding keeps the weight (vLLM's CPU backend does the same).
+            model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)
     return model.eval()
 
 
