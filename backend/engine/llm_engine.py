@@ -24,6 +24,7 @@ from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.model_source import resolve_model_dir
 from pagedllm.models import CausalLM, load_model
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.cpu_memory import keep_freed_memory
 from pagedllm.worker.attention_backend import attention_backend_named, select_attention_backend
 from pagedllm.worker.beam_sampler import beam_candidates
 from pagedllm.worker.model_runner import BatchLimits, ModelRunner
@@ -69,6 +70,8 @@ class LLMEngine:
         if not (model_dir / "config.json").is_file():
             raise ValueError(f"model={str(model_dir)!r} is not a Hugging Face checkpoint directory (no config.json)")
         self.device = config.torch_device()
+        if self.device.type == "cpu":
+            keep_freed_memory()
         torch.manual_seed(config.seed)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
             resolve_model_dir(config.tokenizer, config.revision, field="tokenizer") if config.tokenizer else model_dir)

@@ -1,0 +1,41 @@
+"""Keep freed memory in the process on CPUs, so that a step's large temporaries are not faulted in anew.
+
+glibc hands blocks above its mmap threshold back to the kernel when they are
+freed, and trims the top of its heap above the trim threshold. A prefill step's
+activations are megabytes each (the small benchmark model's 2048 x 3072 gate/up
+output is 25 MB), so every step got them back as fresh pages, zeroed by the
+kernel one 4 KB page fault at a time. Raising both thresholds keeps that memory
+for the next step. Measured on the project's CPU host, 1 thread: RMSNorm over
+2048 x 512 floats 4.2 -> 0.40 ms, SiLU(gate) * up over 2048 x 1536 15 -> 3.4 ms;
+small long-tail end to end 21.3 -> 19.9 s, tiny shared-prefix 5.5 -> 4.9 s. The cost is that the
+process keeps its peak working set, which a serving process does anyway.
+TCMalloc, which vLLM's CPU guide preloads, gets the same effect another way.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+
+logger = logging.getLogger(__name__)
+
+# mallopt parameters, from glibc's <malloc.h>
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+# glibc's largest mmap threshold on 64-bit hosts; blocks above it are still mapped one by one.
+MAX_MMAP_THRESHOLD = 32 << 20
+TRIM_THRESHOLD = 1 << 30
+
+
+def keep_freed_memory() -> bool:
+    """Raise glibc's mmap and trim thresholds for this process; ``False`` where there is no glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        logger.info("no glibc mallopt here: freed CPU memory goes back to the system as before")
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # mallopt returns 1 on success.
+    return bool(mallopt(M_MMAP_THRESHOLD, MAX_MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
