@@ -44,12 +44,26 @@ static inline void add_scaled(float* restrict y, float a, const float* restrict 
     for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-/* Hardware prefetchers stop at page edges and blocks are scattered, so ask for the next block
- * while this one is read: a line per call, spread over the block's rows. */
+/* Hardware prefetchers stop at page edges and blocks are scattered, so ask for the block
+ * PREFETCH_DISTANCE ahead while this one is read, one row of it per row read, into L2
+ * (prefetcht1). Scattered 4 KB blocks of a 256 MB cache, 32 sequences x ~700 tokens, 1 thread:
+ * 8.4 GB/s without, 8.3-9.3 GB/s into L1 at any distance, 13-15 GB/s into L2 at distance 2;
+ * the same blocks in order read at 19 GB/s. */
+#define PREFETCH_DISTANCE 2
+
 static inline void prefetch_rows(const float* block, int64_t row, int64_t head_dim) {
     if (!block) return;
     const char* start = (const char*)(block + row * head_dim);
-    for (int64_t offset = 0; offset < head_dim * (int64_t)sizeof(float); offset += 64) __builtin_prefetch(start + offset);
+    for (int64_t offset = 0; offset < head_dim * (int64_t)sizeof(float); offset += 64)
+        __builtin_prefetch(start + offset, 0, 2);
+}
+
+/* The blocks a pass starts with, which the in-pass prefetch never covers. */
+static inline void prefetch_first_blocks(const float* head, const int64_t* blocks, int64_t len, int64_t block_size,
+                                         int64_t head_dim) {
+    for (int64_t j = 0; j < PREFETCH_DISTANCE && j * block_size < len; ++j)
+        for (int64_t row = 0; row < block_size; ++row)
+            prefetch_rows(head + blocks[j] * block_size * head_dim, row, head_dim);
 }
 
 /* One sequence, one KV head: out[g] = softmax(scale * q[g] K^T) V and lse[g] its log-sum-exp.
@@ -58,9 +72,11 @@ static inline __attribute__((always_inline)) void attend_head(const float* q, in
                         const int64_t* blocks, int64_t len, int64_t block_size, float scale,
                         float* out, float* lse, float* scores /* [group, len] */) {
     const int64_t block_numel = block_size * head_dim;
+    const int64_t ahead = PREFETCH_DISTANCE * block_size;
+    prefetch_first_blocks(k_head, blocks, len, block_size, head_dim);
     for (int64_t start = 0, j = 0; start < len; start += block_size, ++j) {
         const float* keys = k_head + blocks[j] * block_numel;
-        const float* next = start + block_size < len ? k_head + blocks[j + 1] * block_numel : NULL;
+        const float* next = start + ahead < len ? k_head + blocks[j + PREFETCH_DISTANCE] * block_numel : NULL;
         const int64_t rows = len - start < block_size ? len - start : block_size;
         for (int64_t t = 0; t < rows; ++t) {
             prefetch_rows(next, t, head_dim);
@@ -68,6 +84,7 @@ static inline __attribute__((always_inline)) void attend_head(const float* q, in
                 scores[g * len + start + t] = dot(q + g * head_dim, keys + t * head_dim, head_dim) * scale;
         }
     }
+    prefetch_first_blocks(v_head, blocks, len, block_size, head_dim);
     for (int64_t g = 0; g < group; ++g) {
         float* s = scores + g * len;
         float max = -FLT_MAX;
@@ -87,7 +104,7 @@ static inline __attribute__((always_inline)) void attend_head(const float* q, in
     }
     for (int64_t start = 0, j = 0; start < len; start += block_size, ++j) {
         const float* values = v_head + blocks[j] * block_numel;
-        const float* next = start + block_size < len ? v_head + blocks[j + 1] * block_numel : NULL;
+        const float* next = start + ahead < len ? v_head + blocks[j + PREFETCH_DISTANCE] * block_numel : NULL;
         const int64_t rows = len - start < block_size ? len - start : block_size;
         for (int64_t t = 0; t < rows; ++t) {
             prefetch_rows(next, t, head_dim);
