@@ -18,6 +18,7 @@ from pagedllm.worker.attention_backend import (
 from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.worker.cpu_attention import attention_with_lse, math_attention_with_lse, new_cpu_cache
 from pagedllm.worker.cpu_attention_plan import DECODE_BATCH_FILL, MIN_SHARED_PREFIX_BLOCKS, CpuAttentionPlan
+from pagedllm.worker.native_decode import load_native_decode
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
@@ -178,11 +179,17 @@ def test_decodes_sharing_a_prefix_attend_to_it_once_and_match_the_reference(dtyp
     batch = sharing_batch(dtype)
     backend = torch_backend(native=native)
     planned = backend.plan(metadata_of(batch))
-    layout = planned.plan.layout(16, dtype, native and dtype == torch.float32)
-    # Only 0-3 form a group (4 and 5 share one block, and 5 is not decoding); the shared
-    # part stops before the shortest member's newest token.
-    assert [(sorted(p.tokens.tolist()), p.num_blocks) for p in layout.shared_prefixes] == [([0, 1, 2, 3], 6)]
-    assert 6 >= MIN_SHARED_PREFIX_BLOCKS and not layout.decodes_in_order
+    in_place = native and dtype == torch.float32 and load_native_decode() is not None
+    layout = planned.plan.layout(16, dtype, in_place)
+    if in_place:
+        # The compiled routine reads the shared blocks in place, once per sharer: no cascade.
+        assert not layout.shared_prefixes and layout.native_decodes is not None
+        assert layout.native_decodes.lens.tolist() == [97, 120, 200, 113, 70, 150]
+    else:
+        # Only 0-3 form a group (4 and 5 share one block, and 5 is not decoding); the shared
+        # part stops before the shortest member's newest token.
+        assert [(sorted(p.tokens.tolist()), p.num_blocks) for p in layout.shared_prefixes] == [([0, 1, 2, 3], 6)]
+        assert 6 >= MIN_SHARED_PREFIX_BLOCKS and not layout.decodes_in_order
     actual = backend.attend(batch.q, batch.k_cache, batch.v_cache, planned, batch.scale)
     expected = unified_attention_ref(*batch.args())
     torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
@@ -207,9 +214,10 @@ def test_a_prefix_ending_at_a_members_newest_token_is_shared_only_before_it() ->
     seq_lens = batch.seq_lens.clone()
     seq_lens[0] = 5 * 16 + 1  # its newest token opens block 5, which the others share
     batch = replace(batch, seq_lens=seq_lens)
-    planned = torch_backend().plan(metadata_of(batch))
-    assert [p.num_blocks for p in planned.plan.layout(16, torch.float32, True).shared_prefixes] == [5]
-    actual = torch_backend().attend(batch.q, batch.k_cache, batch.v_cache, planned, batch.scale)
+    backend = torch_backend(native=False)
+    planned = backend.plan(metadata_of(batch))
+    assert [p.num_blocks for p in planned.plan.layout(16, torch.float32, False).shared_prefixes] == [5]
+    actual = backend.attend(batch.q, batch.k_cache, batch.v_cache, planned, batch.scale)
     torch.testing.assert_close(actual, unified_attention_ref(*batch.args()), atol=1e-5, rtol=0)
 
 

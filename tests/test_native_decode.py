@@ -112,5 +112,5 @@ def test_a_table_it_would_read_outside_the_cache_with_is_refused(routine: native
     else:
         lens[0] = 33
     with pytest.raises(ValueError, match="block table holds ids outside|runs past the end"):
-        routine(q, cache, cache, np.zeros(1, dtype=np.int64), table, np.zeros(1, dtype=np.int64), lens, 0.125,
-                torch.empty_like(q), torch.empty(1, 4))
+        routine(q, cache, cache, np.zeros(1, dtype=np.int64), table, lens, 0.125, torch.empty_like(q),
+                torch.empty(1, 4))

@@ -9,6 +9,8 @@ block size and dtype) and every later layer reuses it:
   repeated per query head and the batch is a single fused SDPA;
 * decodes whose block tables start with the same blocks form a
   :class:`SharedPrefix`, attended once for all of them (cascade attention);
+* or, when the compiled routine runs the decodes (:class:`NativeDecodes`), every
+  decode attends its whole table in place, shared prefix included;
 * each prefill chunk attends alone over its own context, causally.
 
 Every group's blocks are listed in one ``block_ids`` tensor, so a layer gathers
@@ -51,8 +53,7 @@ class NativeDecodes:
 
     rows: np.ndarray  # int64 [num_seqs]: each sequence's query token
     block_table: np.ndarray  # int64 [num_seqs, width]
-    first_block: np.ndarray  # int64 [num_seqs]: the columns before it are attended through a SharedPrefix
-    lens: np.ndarray  # int64 [num_seqs]: slots attended from first_block on
+    lens: np.ndarray  # int64 [num_seqs]: context lengths
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +142,10 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native:
     decoding = np.flatnonzero(query_lens == 1)
     skipped = np.zeros_like(num_blocks)  # leading blocks a decode attends to through its shared prefix
     shared_prefixes = []
-    for seqs, shared in _shared_prefixes(decoding, plan.block_table, plan.seq_lens, block_size):
+    # The compiled routine reads a shared prefix in place, from cache for every sharer after the
+    # first, so cascade's extra SDPA and merge cost more than they save (tiny shared-prefix, 1 thread:
+    # 4.8 s with cascade, 4.56 s without).
+    for seqs, shared in [] if native else _shared_prefixes(decoding, plan.block_table, plan.seq_lens, block_size):
         block_ids.append(plan.block_table[seqs[0], :shared])
         shared_prefixes.append(SharedPrefix(_tensor(plan.starts[seqs], plan.device), rows, shared))
         skipped[seqs] = shared
@@ -151,7 +155,7 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native:
     native_decodes = None
     if native and len(decoding):
         native_decodes = NativeDecodes(plan.starts[decoding], np.ascontiguousarray(plan.block_table[decoding]),
-                                       skipped[decoding], plan.seq_lens[decoding] - skipped[decoding] * block_size)
+                                       plan.seq_lens[decoding])
     own_blocks = num_blocks - skipped
     for seqs in [] if native else _decode_batches(decoding, own_blocks):
         width = int(own_blocks[seqs].max())

@@ -45,8 +45,8 @@ class NativeDecode:
         pointer, i64 = ctypes.c_void_p, ctypes.c_int64
         self._function = library.pagedllm_paged_decode_f32
         self._function.restype = ctypes.c_int
-        self._function.argtypes = [pointer, pointer, pointer, pointer, pointer, i64, pointer, pointer, i64, i64, i64,
-                                   i64, i64, i64, ctypes.c_float, i64, ctypes.c_int, pointer, pointer]
+        self._function.argtypes = [pointer, pointer, pointer, pointer, pointer, i64, pointer, i64, i64, i64, i64, i64,
+                                   i64, ctypes.c_float, i64, ctypes.c_int, pointer, pointer]
 
     def __call__(
         self,
@@ -55,8 +55,7 @@ class NativeDecode:
         v_cache: torch.Tensor,
         rows: np.ndarray,  # int64 [num_seqs]: each sequence's query token
         block_table: np.ndarray,  # int64 C-contiguous [num_seqs, width]
-        first_block: np.ndarray,  # int64 [num_seqs]: the first column each sequence attends from
-        lens: np.ndarray,  # int64 [num_seqs]: slots attended from that column on
+        lens: np.ndarray,  # int64 [num_seqs]: context lengths
         scale: float,
         out: torch.Tensor,  # float32 contiguous, q's shape: the rows ``rows`` are written
         lse: torch.Tensor,  # float32 contiguous [num_tokens, num_heads]: the rows ``rows`` are written
@@ -65,11 +64,11 @@ class NativeDecode:
         # C does not bound-check: a bad table would read outside the cache instead of raising.
         if block_table.size and (int(block_table.min()) < 0 or int(block_table.max()) >= num_blocks):
             raise ValueError(f"block table holds ids outside [0, {num_blocks})")
-        if len(lens) and int((first_block + -(-lens // block_size)).max()) > block_table.shape[1]:
+        if len(lens) and int(-(-lens.max() // block_size)) > block_table.shape[1]:
             raise ValueError("a sequence's context runs past the end of its block-table row")
         failed = self._function(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.ctypes.data, block_table.ctypes.data,
-            block_table.shape[1], first_block.ctypes.data, lens.ctypes.data, len(rows), kv_heads,
+            block_table.shape[1], lens.ctypes.data, len(rows), kv_heads,
             q.shape[1] // kv_heads, head_dim, num_blocks, block_size, scale, int(lens.max(initial=0)),
             torch.get_num_threads(), out.data_ptr(), lse.data_ptr(),
         )

@@ -115,12 +115,11 @@ static inline __attribute__((always_inline)) void attend_head(const float* q, in
 }
 
 /* q, out: [tokens, kv_heads * group, head_dim]; lse: [tokens, kv_heads * group].
- * Sequence i's query is token rows[i]; it attends to its first lens[i] cache slots, counted from
- * column first_block[i] of its block-table row (the blocks before it belong to a shared prefix).
+ * Sequence i's query is token rows[i]; it attends to the first lens[i] cache slots its block-table row lists.
  * Returns 0, or 1 when the scratch buffer could not be allocated (out and lse are then undefined). */
 int pagedllm_paged_decode_f32(const float* q, const float* k_cache, const float* v_cache,
                               const int64_t* rows, const int64_t* block_table, int64_t table_width,
-                              const int64_t* first_block, const int64_t* lens, int64_t num_seqs,
+                              const int64_t* lens, int64_t num_seqs,
                               int64_t kv_heads, int64_t group, int64_t head_dim, int64_t num_blocks,
                               int64_t block_size, float scale, int64_t max_len, int threads,
                               float* out, float* lse) {
@@ -138,7 +137,7 @@ int pagedllm_paged_decode_f32(const float* q, const float* k_cache, const float*
             const int64_t offset = rows[seq] * heads + head * group;
             const float *q_head = q + offset * head_dim, *k_head = k_cache + head * head_numel,
                         *v_head = v_cache + head * head_numel;
-            const int64_t* blocks = block_table + seq * table_width + first_block[seq];
+            const int64_t* blocks = block_table + seq * table_width;
             float *out_head = out + offset * head_dim, *lse_head = lse + offset;
             if (head_dim == 64)
                 attend_head(q_head, group, 64, k_head, v_head, blocks, lens[seq], block_size, scale, out_head, lse_head, scores);
