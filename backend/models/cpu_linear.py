@@ -1,10 +1,12 @@
 """Float32 linears on the CPU through oneDNN with weights packed once at load time.
 
 ``F.linear`` (MKL sgemm) is near this CPU's peak for prefill-sized inputs but
-slow for the few rows a decode step has once most requests of a batch are done:
-at 4 rows, 512x3072 takes 316 us against 137 us packed, and a 512x8192 LM head
-1,694 against 427 us (AMD EPYC, 1 thread; ``pagedllm bench linears``
-reprints the table). Packed weights are 1.1-1.2x faster at 32-2048 rows too.
+slow for the few rows a decode step has once most requests of a batch are done.
+At 4 rows the small benchmark model's 512x3072 gate/up takes 0.35 ms with
+``F.linear`` and 0.16 ms packed, its 512x8192 LM head 2.0 and 0.91 ms; packed is
+1.1-1.2x faster at 32-2048 rows, and slower only for narrow shapes at a single
+row (0.018 against 0.031 ms for the tiny model's qkv). Source: ``pagedllm bench
+kernels`` on a CPU (docs/results/kernels-cpu.md), AMD EPYC, 1 thread.
 vLLM's CPU backend packs its linears the same way.
 
 The sums run in a different order from MKL's, so outputs differ from

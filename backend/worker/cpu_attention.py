@@ -17,9 +17,10 @@ the usual layout still work, through a copy per layer.
 independent oracle that the tests compare this against.
 
 Float32 decodes skip the gather: :mod:`pagedllm.worker.native_decode` compiles a
-small C routine on first use that reads their blocks in place (3-4.6x faster than
-gather + SDPA at 32 sequences, 2x at 256, on attention alone). Without a C
-compiler every decode runs the torch path below, which stays tested on its own.
+small C routine on first use that reads their blocks in place, 2.4-3.3x faster per
+layer than this gather + SDPA path at 32-128 sequences of 300-1000 tokens
+(``pagedllm bench kernels`` on a CPU). Without a C compiler every decode runs the
+torch path below, which stays tested on its own.
 Gathering in cache-sized chunks so that SDPA reads K/V from cache gained 0-20%,
 within this host's noise, so it was left out. ``pagedllm bench kernels`` on a
 CPU prints this backend next to the reference.
