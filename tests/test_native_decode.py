@@ -114,3 +114,15 @@ def test_a_table_it_would_read_outside_the_cache_with_is_refused(routine: native
     with pytest.raises(ValueError, match="block table holds ids outside|runs past the end"):
         routine(q, cache, cache, np.zeros(1, dtype=np.int64), table, lens, 0.125, torch.empty_like(q),
                 torch.empty(1, 4))
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+def test_a_cache_directory_it_cannot_create_falls_back_to_torch(
+    fresh_load: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv(native_decode.CACHE_ENV, str(blocker / "native"))
+    with caplog.at_level(logging.WARNING, logger=native_decode.__name__):
+        assert load_native_decode() is None
+    assert "plain-torch path" in caplog.text
