@@ -128,22 +128,11 @@ class ExitStatus:
         return f"exited with code {self.status >> 8}"
 
 
-def exit_status(pid: int) -> ExitStatus | None:
-    """How ``pid`` ended, read from its zombie's ``/proc`` entry (field 52, exit_code: Linux >= 3.5);
-    ``None`` while it still runs or is still exiting.
-
-    A killed process loses its command line before the kernel writes its exit code, so a
-    process that has left ``stubs()`` may not be a zombie yet: read then, it "exited with code 0".
-    """
+def exit_status(pid: int) -> ExitStatus:
+    """Read from the zombie's ``/proc`` entry while it lasts (field 52, exit_code: Linux >= 3.5)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return ExitStatus(None)  # reaped
-    if fields[0] not in ("Z", "X"):
-        return None
-    try:
-        return ExitStatus(int(fields[49]))
-    except (IndexError, ValueError):
+        return ExitStatus(int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[49]))
+    except (OSError, IndexError, ValueError):
         return ExitStatus(None)
 
 

@@ -72,20 +72,16 @@ class Supervisor:
                 self._reload(model, reason)
             return
         seen = {stub.pid: stub.model for stub in self._server.stubs()}
-        exiting = {}
         for pid, model in self._stubs.items():
             if pid in seen:
                 continue
             ending = exit_status(pid)
-            if ending is None:  # still exiting: its exit code is not written yet, look again next round
-                exiting[pid] = model
-                continue
             # A stub Triton retired exits 0 and is reaped at once (then its status is unknown) while
             # another serves the model; one that died under a model Triton still lists as ready did not.
             if (ending.abnormal or model not in seen.values()) and self._model_state(model) == "READY":
                 self._restart_server(model, f"backend stub of model {model!r} (pid {pid}) died: {ending}")
                 return
-        self._stubs = seen | exiting
+        self._stubs = seen
 
     def _restart_server(self, model: str | None, cause: str) -> None:
         self._count_restart(model, cause, "restarting tritonserver")
