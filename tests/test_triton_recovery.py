@@ -192,7 +192,11 @@ def test_a_killed_stub_fails_its_streams_and_the_server_comes_back(serve: Serve,
     print(f"\nkill -9: not ready after {not_ready_after:.2f} s, ready again after {not_ready_after + back_after:.1f} s")
     check_serving_again(serve, offline, restarts=1)
     assert serve.health() == (200, "ok")
-    assert any("killed by signal 9" in line for line in serve.output), "the cause was not logged"
+    died = [line for line in serve.output if "backend stub of model 'llm'" in line and "died:" in line]
+    assert died, "the stub's death was not logged"
+    # The supervisor names the signal when it reads the dead stub before tritonserver reaps it;
+    # on a loaded machine tritonserver can reap it first, and the status is then unknown.
+    assert any("killed by signal 9" in line or "exit status unknown" in line for line in died), died
 
 
 def test_a_dead_engine_loop_fails_its_streams_and_the_model_is_reloaded(serve: Serve, offline: LLM) -> None:
