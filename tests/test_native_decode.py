@@ -126,3 +126,17 @@ def test_a_cache_directory_it_cannot_create_falls_back_to_torch(
     with caplog.at_level(logging.WARNING, logger=native_decode.__name__):
         assert load_native_decode() is None
     assert "plain-torch path" in caplog.text
+
+
+def test_queries_in_any_memory_layout_get_a_contiguous_answer(routine: native_decode.NativeDecode) -> None:
+    """A head-major query tensor (dense, but not row-major) must not make the routine write rows in the wrong
+    order: it reads a contiguous copy and writes a contiguous output."""
+    case = CASES["mixed-gqa4-d64-b16-bf16"]
+    case = replace(case, dtype=torch.float32)
+    batch = make_batch(case, seed=11)
+    batch = replace(batch, k_cache=head_major(batch.k_cache), v_cache=head_major(batch.v_cache),
+                    q=batch.q.transpose(0, 1).contiguous().transpose(0, 1))
+    assert not batch.q.is_contiguous()
+    backend = torch_backend()
+    actual = backend.attend(batch.q, batch.k_cache, batch.v_cache, backend.plan(metadata_of(batch)), batch.scale)
+    torch.testing.assert_close(actual, unified_attention_ref(*batch.args()), atol=1e-5, rtol=0)

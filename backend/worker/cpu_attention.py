@@ -132,7 +132,7 @@ class CpuPagedAttention:
         if layout.decodes_in_order:
             attended, _ = self._decode(q, keys, values, layout.decodes[0], scale, group)
             return attended.reshape(num_tokens, num_heads, head_dim)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the compiled routine writes it
         # Per token and head, the log-sum-exp of its scores: what merging a shared prefix's part needs.
         lse = (torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
                if layout.shared_prefixes or layout.native_decodes is not None else None)
