@@ -8,13 +8,14 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from pagedllm.kernels import unified_attention_ref
 from pagedllm.worker import native_decode
 from pagedllm.worker.attention_backend import torch_backend
+from pagedllm.worker.attention_metadata import AttentionMetadata
+from pagedllm.worker.cpu_attention_plan import plan_cpu_attention
 from pagedllm.worker.native_decode import load_native_decode
 
 from test_cpu_attention import CASES, head_major, make_batch, metadata_of
@@ -103,17 +104,19 @@ def test_a_table_it_would_read_outside_the_cache_with_is_refused(routine: native
                                                                  bad: str) -> None:
     q = torch.zeros(1, 4, 64)
     cache = torch.zeros(2, 3, 16, 64)  # head-major: 2 KV heads, 3 blocks
-    table = np.array([[0, 1]], dtype=np.int64)
-    lens = np.array([20], dtype=np.int64)
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    seq_len = 20
     if bad == "block id past the cache":
         table[0, 1] = 3
     elif bad == "negative block id":
         table[0, 0] = -1
     else:
-        lens[0] = 33
+        seq_len = 33
+    metadata = AttentionMetadata(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([seq_len], dtype=torch.int32),
+                                 table, torch.zeros(1, dtype=torch.int64), 1, seq_len)
     with pytest.raises(ValueError, match="block table holds ids outside|runs past the end"):
-        routine(q, cache, cache, np.zeros(1, dtype=np.int64), table, lens, 0.125, torch.empty_like(q),
-                torch.empty(1, 4))
+        layout = plan_cpu_attention(metadata).plan.layout(16, torch.float32, True)
+        routine(q, cache, cache, layout.native_decodes, 0.125, torch.empty_like(q), torch.empty(1, 4))
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")

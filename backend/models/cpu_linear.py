@@ -52,8 +52,8 @@ def packing_applies(dtype: torch.dtype, device: torch.device) -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Swap every ``nn.Linear`` under ``model`` for a :class:`PackedLinear`; returns how many were swapped.
+def pack_linears(model: nn.Module) -> None:
+    """Swap every ``nn.Linear`` under ``model`` for a :class:`PackedLinear`.
 
     The unpacked weights are dropped with their modules, so memory does not double.
     """
@@ -61,5 +61,3 @@ def pack_linears(model: nn.Module) -> int:
              if isinstance(child, nn.Linear)]
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child.weight, child.bias))
-    return len(swaps)
-

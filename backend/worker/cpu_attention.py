@@ -137,9 +137,7 @@ class CpuPagedAttention:
         lse = (torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
                if layout.shared_prefixes or layout.native_decodes is not None else None)
         if native is not None and layout.native_decodes is not None:
-            decodes = layout.native_decodes
-            native(q.contiguous(), _head_major(k_cache), _head_major(v_cache), decodes.rows, decodes.block_table,
-                   decodes.lens, scale, out, lse)
+            native(q.contiguous(), _head_major(k_cache), _head_major(v_cache), layout.native_decodes, scale, out, lse)
         for batch in layout.decodes:
             attended, batch_lse = self._decode(q.index_select(0, batch.tokens), keys, values, batch, scale, group)
             out.index_copy_(0, batch.tokens, attended.reshape(batch.num_seqs, num_heads, head_dim))

@@ -54,6 +54,11 @@ class NativeDecodes:
     rows: np.ndarray  # int64 [num_seqs]: each sequence's query token
     block_table: np.ndarray  # int64 [num_seqs, width]
     lens: np.ndarray  # int64 [num_seqs]: context lengths
+    max_len: int
+    # The table's smallest and largest block ids: the routine checks them against the cache it reads,
+    # once per layer, without scanning the table again.
+    lowest_block: int
+    highest_block: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,10 +157,7 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native:
         rows += shared
 
     decodes = []
-    native_decodes = None
-    if native and len(decoding):
-        native_decodes = NativeDecodes(plan.starts[decoding], np.ascontiguousarray(plan.block_table[decoding]),
-                                       plan.seq_lens[decoding])
+    native_decodes = _native_decodes(plan, decoding, block_size) if native and len(decoding) else None
     own_blocks = num_blocks - skipped
     for seqs in [] if native else _decode_batches(decoding, own_blocks):
         width = int(own_blocks[seqs].max())
@@ -187,6 +189,17 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native:
     in_order = len(decodes) == 1 and decodes[0].num_seqs == len(query_lens) and not shared_prefixes
     return StepLayout(_tensor(ids, plan.device), tuple(decodes), native_decodes, tuple(shared_prefixes),
                       tuple(prefills), in_order)
+
+
+def _native_decodes(plan: CpuAttentionPlan, seqs: np.ndarray, block_size: int) -> NativeDecodes:
+    """The decodes ``seqs`` for the compiled routine; ``ValueError`` for a context longer than its table row,
+    which C would read past (the torch path clamps instead)."""
+    table, lens = np.ascontiguousarray(plan.block_table[seqs]), plan.seq_lens[seqs]
+    max_len = int(lens.max())
+    if -(-max_len // block_size) > table.shape[1]:
+        raise ValueError(f"a context of {max_len} tokens runs past the end of its block-table row "
+                         f"({table.shape[1]} blocks of {block_size})")
+    return NativeDecodes(plan.starts[seqs], table, lens, max_len, int(table.min()), int(table.max()))
 
 
 def _shared_prefixes(seqs: np.ndarray, block_table: np.ndarray, seq_lens: np.ndarray,

@@ -26,8 +26,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
+
+from pagedllm.worker.cpu_attention_plan import NativeDecodes
 
 logger = logging.getLogger(__name__)
 
@@ -53,27 +54,23 @@ class NativeDecode:
         q: torch.Tensor,  # float32 contiguous [num_tokens, num_heads, head_dim]
         k_cache: torch.Tensor,  # float32 contiguous head-major [kv_heads, num_blocks, block_size, head_dim]
         v_cache: torch.Tensor,
-        rows: np.ndarray,  # int64 [num_seqs]: each sequence's query token
-        block_table: np.ndarray,  # int64 C-contiguous [num_seqs, width]
-        lens: np.ndarray,  # int64 [num_seqs]: context lengths
+        decodes: NativeDecodes,
         scale: float,
-        out: torch.Tensor,  # float32 contiguous, q's shape: the rows ``rows`` are written
-        lse: torch.Tensor,  # float32 contiguous [num_tokens, num_heads]: the rows ``rows`` are written
+        out: torch.Tensor,  # float32 contiguous, q's shape: the decodes' rows are written
+        lse: torch.Tensor,  # float32 contiguous [num_tokens, num_heads]: the decodes' rows are written
     ) -> None:
         kv_heads, num_blocks, block_size, head_dim = k_cache.shape
         # C does not bound-check: a bad table would read outside the cache instead of raising.
-        if block_table.size and (int(block_table.min()) < 0 or int(block_table.max()) >= num_blocks):
+        if decodes.lowest_block < 0 or decodes.highest_block >= num_blocks:
             raise ValueError(f"block table holds ids outside [0, {num_blocks})")
-        if len(lens) and int(-(-lens.max() // block_size)) > block_table.shape[1]:
-            raise ValueError("a sequence's context runs past the end of its block-table row")
         failed = self._function(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.ctypes.data, block_table.ctypes.data,
-            block_table.shape[1], lens.ctypes.data, len(rows), kv_heads,
-            q.shape[1] // kv_heads, head_dim, num_blocks, block_size, scale, int(lens.max(initial=0)),
-            torch.get_num_threads(), out.data_ptr(), lse.data_ptr(),
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), decodes.rows.ctypes.data,
+            decodes.block_table.ctypes.data, decodes.block_table.shape[1], decodes.lens.ctypes.data,
+            len(decodes.rows), kv_heads, q.shape[1] // kv_heads, head_dim, num_blocks, block_size, scale,
+            decodes.max_len, torch.get_num_threads(), out.data_ptr(), lse.data_ptr(),
         )
         if failed:
-            raise MemoryError(f"paged decode attention could not allocate {4 * q.shape[1] * int(lens.max())} bytes "
+            raise MemoryError(f"paged decode attention could not allocate {4 * q.shape[1] * decodes.max_len} bytes "
                               "of scratch space")
 
 
