@@ -20,7 +20,7 @@ from pagedllm.worker.attention_backend import attention_backend_named
 from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.models import CausalLM, load_model
 from pagedllm.models.cpu_dtypes import native_cpu_dtypes, unsupported_cpu_dtype_message
-from pagedllm.models.cpu_linear import SWITCH_ENV, PackedLinear
+from pagedllm.models.cpu_linear import SWITCH_ENV, MklPackedLinear, OneDnnLinear, PackedLinear
 
 ARCHES = ["llama", "mistral", "qwen2", "qwen3"]
 # The production CPU attention, and the kernels' oracle it must agree with.
@@ -28,10 +28,10 @@ CPU_BACKENDS = ["torch", "torch-reference"]
 BLOCK_SIZE = 16
 NUM_BLOCKS = 24
 CPU = torch.device("cpu")
-# Logits here reach ~12. MKL (transformers' F.linear) and oneDNN (our packed CPU linears) add in
-# different orders: swapping one for the other inside transformers' own forward moves them by
-# 1.2e-4. The unpacked path (PAGEDLLM_CPU_LINEAR=mkl) is held to the old 1e-4.
-ATOL = {"onednn": 2.5e-4, "mkl": 1e-4}
+# Logits here reach ~12. F.linear (transformers' MKL sgemm) and packed GEMMs (our CPU linears) add in
+# different orders: swapping oneDNN in for F.linear inside transformers' own forward moves them by
+# 1.2e-4. MKL's packed GEMM (the default) and the unpacked path stay within the old 1e-4.
+ATOL = {"mkl-packed": 1e-4, "onednn": 2.5e-4, "mkl": 1e-4}
 UNWRITTEN = 1e4
 
 
@@ -111,9 +111,9 @@ def load(model_dir: Path, dtype: torch.dtype = torch.float32, backend: str = "to
     return load_model(model_dir, dtype, CPU, attention_backend_named(backend))
 
 
-@pytest.fixture(params=["onednn", "mkl"])
+@pytest.fixture(params=["mkl-packed", "onednn", "mkl"])
 def linears(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Which CPU linears the models load with: packed for oneDNN (the default) or plain F.linear."""
+    """Which CPU linears the models load with: packed for MKL (the default) or oneDNN, or plain F.linear."""
     monkeypatch.setenv(SWITCH_ENV, request.param)
     return request.param
 
@@ -174,7 +174,7 @@ def weights(model: CausalLM) -> dict[str, torch.Tensor]:
     found = dict(model.state_dict())
     for name, module in model.named_modules():
         if isinstance(module, PackedLinear):
-            found[f"{name}.weight"] = module.packed.to_dense()
+            found[f"{name}.weight"] = module.unpacked_weight()
             if module.bias is not None:
                 found[f"{name}.bias"] = module.bias
     return found
@@ -185,7 +185,7 @@ def test_tied_embeddings_use_the_embedding_matrix(tiny_model_dir: Callable[[str]
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as handle:
         assert "lm_head.weight" not in handle.keys()
     model = load(model_dir)
-    # Packed, the head is a copy of the embedding in oneDNN's layout; unpacked, it is the embedding itself.
+    # Packed, the head is a copy of the embedding in the GEMM library's layout; unpacked, the embedding itself.
     assert (model.lm_head is None) == (linears == "mkl")
     hidden = torch.randn(3, model.config.hidden_size)
     expected = hidden @ model.model.embed_tokens.weight.T
@@ -202,17 +202,19 @@ def test_untied_head_is_its_own_matrix(tiny_model_dir: Callable[[str], Path], li
 
 def test_float32_cpu_linears_are_packed_unless_switched_off(tiny_model_dir: Callable[[str], Path],
                                                              linears: str) -> None:
-    model = load(tiny_model_dir("qwen3"))
-    kinds = {type(module) for module in model.modules()} & {nn.Linear, PackedLinear}
-    assert kinds == ({PackedLinear} if linears == "onednn" else {nn.Linear})
-    assert {type(module) for module in load(tiny_model_dir("qwen3"), torch.bfloat16).modules()} & {
-        nn.Linear, PackedLinear} == {nn.Linear}
+    def kinds(model: CausalLM) -> set[type]:
+        return {type(module) for module in model.modules() if isinstance(module, (nn.Linear, PackedLinear))}
+
+    expected = {"mkl-packed": MklPackedLinear, "onednn": OneDnnLinear, "mkl": nn.Linear}[linears]
+    assert kinds(load(tiny_model_dir("qwen3"))) == {expected}
+    assert kinds(load(tiny_model_dir("qwen3"), torch.bfloat16)) == {nn.Linear}
 
 
 def test_an_unknown_cpu_linear_choice_is_refused(tiny_model_dir: Callable[[str], Path],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SWITCH_ENV, "openblas")
-    with pytest.raises(ValueError, match="PAGEDLLM_CPU_LINEAR='openblas' is invalid: expected one of onednn, mkl"):
+    with pytest.raises(ValueError,
+                       match="PAGEDLLM_CPU_LINEAR='openblas' is invalid: expected one of mkl-packed, onednn, mkl"):
         load(tiny_model_dir("llama"))
 
 

@@ -1,9 +1,9 @@
-"""CPU linears, side by side: ``F.linear`` (MKL) against the oneDNN-packed weights the loader uses.
+"""CPU linears, side by side: ``F.linear`` (MKL) against the two packed weights the loader can use.
 
 Printed by ``pagedllm bench kernels`` on CPU, for the benchmark checkpoints'
 linear shapes (fused qkv, o, fused gate/up, down, LM head) at the row counts a
 step has: a few decodes left in a long tail, a full decode batch, a prefill.
-Each pair runs interleaved in one process; the median of ``reps`` runs.
+The three run interleaved in one process; the median of ``reps`` runs.
 """
 from __future__ import annotations
 
@@ -13,16 +13,17 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.bench.cpu_attention import interleaved
-from pagedllm.models.cpu_linear import PackedLinear
+from pagedllm.models.cpu_linear import MklPackedLinear, OneDnnLinear, PackedLinear
 from pagedllm.testing.tiny_model import SIZES
 
 
 @dataclass(frozen=True, slots=True)
 class LinearRow:
     shape: str
-    mkl_ms: float
-    packed_ms: float
-    max_error: float  # max |packed - mkl| / max |mkl|
+    mkl_ms: float  # F.linear
+    onednn_ms: float
+    packed_ms: float  # MKL packed GEMM, the loader's default
+    max_error: float  # max |packed - F.linear| / max |F.linear|, over both packed kinds
 
     @property
     def speedup(self) -> float:
@@ -41,24 +42,30 @@ def linear_rows(sizes: tuple[str, ...], rows: tuple[int, ...], reps: int) -> lis
                                         "down": (shape.intermediate_size, shape.hidden_size),
                                         "lm head": (shape.hidden_size, shape.vocab_size)}.items():
             weight = torch.randn(outputs, inputs, generator=generator) * inputs**-0.5
-            packed = PackedLinear(weight, None)
+            onednn, packed = OneDnnLinear(weight, None), MklPackedLinear(weight, None)
             for count in rows:
                 x = torch.randn(count, inputs, generator=generator)
-                variants = {"mkl": lambda: F.linear(x, weight), "packed": lambda: packed(x)}
-                times = interleaved(variants, reps)
-                expected = F.linear(x, weight)
-                error = float((packed(x) - expected).abs().max() / expected.abs().max())
+                times = interleaved({"mkl": lambda: F.linear(x, weight), "onednn": lambda: onednn(x),
+                                     "packed": lambda: packed(x)}, reps)
                 results.append(LinearRow(f"{size} {name} {inputs}x{outputs}, {count} rows", times["mkl"],
-                                         times["packed"], error))
+                                         times["onednn"], times["packed"],
+                                         max(_relative_error(linear, x, weight) for linear in (onednn, packed))))
     _print(results)
     return results
 
 
+def _relative_error(linear: PackedLinear, x: torch.Tensor, weight: torch.Tensor) -> float:
+    expected = F.linear(x, weight)
+    return float((linear(x) - expected).abs().max() / expected.abs().max())
+
+
 def _print(rows: list[LinearRow]) -> None:
-    print(f"CPU linears, float32 ({torch.get_num_threads()} thread(s)): F.linear (MKL) against oneDNN-packed weights "
-          "(pagedllm.models.cpu_linear)\n")
-    print("| shape | F.linear ms | packed ms | packed speed-up | max rel. diff |")
-    print("|---|---|---|---|---|")
+    print(f"CPU linears, float32 ({torch.get_num_threads()} thread(s)): F.linear (MKL) against oneDNN-packed and "
+          "MKL-packed weights (pagedllm.models.cpu_linear; MKL-packed is the default)\n")
+    print("| shape | F.linear ms | oneDNN packed ms | MKL packed ms | MKL packed vs F.linear | MKL packed vs oneDNN "
+          "| max rel. diff |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row.shape} | {row.mkl_ms:.3f} | {row.packed_ms:.3f} | {row.speedup:.2f}x | {row.max_error:.1e} |")
+        print(f"| {row.shape} | {row.mkl_ms:.3f} | {row.onednn_ms:.3f} | {row.packed_ms:.3f} | {row.speedup:.2f}x "
+              f"| {row.onednn_ms / row.packed_ms:.2f}x | {row.max_error:.1e} |")
     print()

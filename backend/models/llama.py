@@ -23,7 +23,7 @@ from pagedllm.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, head_
 
 
 def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
-    # The loader packs these for oneDNN on CPUs in float32 (pagedllm.models.cpu_linear).
+    # The loader packs these for MKL or oneDNN on CPUs in float32 (pagedllm.models.cpu_linear).
     layer = nn.Linear(in_features, out_features, bias=bias)
     layer.requires_grad_(False)
     return layer

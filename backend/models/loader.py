@@ -19,7 +19,7 @@ from transformers import AutoConfig
 from pagedllm.worker.attention_backend import AttentionBackend
 from pagedllm.models.architectures import resolve_architecture
 from pagedllm.models.cpu_dtypes import warn_if_emulated
-from pagedllm.models.cpu_linear import PackedLinear, pack_linears, packing_applies
+from pagedllm.models.cpu_linear import pack_linears, packed_linear, packed_linear_choice
 from pagedllm.models.llama import CausalLM
 
 SINGLE_FILE = "model.safetensors"
@@ -34,7 +34,7 @@ def load_model(
 ) -> CausalLM:
     """Build the model for ``model_dir`` and fill it with the checkpoint's weights.
 
-    Float32 linears on a CPU are packed for oneDNN (:mod:`pagedllm.models.cpu_linear`).
+    Float32 linears on a CPU are packed for MKL or oneDNN (:mod:`pagedllm.models.cpu_linear`).
     Logs a warning when ``dtype`` is a half type this CPU only emulates (see
     :mod:`pagedllm.models.cpu_dtypes`). Raises ``ValueError`` for an unsupported architecture, a directory without
     safetensors weights, or a checkpoint whose tensors do not match the model
@@ -43,6 +43,7 @@ def load_model(
     model_dir = Path(model_dir)
     device = torch.device(device)
     warn_if_emulated(dtype, device)
+    packing = packed_linear_choice(dtype, device)
     config = AutoConfig.from_pretrained(model_dir)
     traits = resolve_architecture(config)
     with torch.device("meta"):
@@ -73,11 +74,11 @@ def load_model(
     model.load_state_dict(state, strict=True, assign=True)
     del state  # so that packing frees each unpacked weight as it goes
     model.requires_grad_(False)
-    if packing_applies(dtype, device):
-        pack_linears(model)
+    if packing is not None:
+        pack_linears(model, packing)
         if model.lm_head is None:
             # A tied head gets its own packed copy; the embedding keeps the weight (vLLM's CPU backend does the same).
-            model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)
+            model.lm_head = packed_linear(model.model.embed_tokens.weight, None, packing)
     return model.eval()
 
 
