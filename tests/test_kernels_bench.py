@@ -45,6 +45,11 @@ def test_tiny_run_prints_every_table_and_agrees_with_reference(
     assert all(row["mkl_ms"] > 0 and row["onednn_ms"] > 0 and row["packed_ms"] > 0 and row["max_error"] < 1e-5
                for row in linears)
     assert "| shape | F.linear ms | oneDNN packed ms | MKL packed ms | MKL packed vs F.linear |" in printed
+    fused = json.loads((tmp_path / "kernels.json").read_text())["cpu_fused"]
+    assert [row["shape"].split(",")[0] for row in fused] == [
+        "tiny residual add + RMSNorm", "tiny rotary of q and k", "tiny SiLU(gate) x up"]
+    assert all(row["torch_ms"] > 0 and row["fused_ms"] > 0 and row["max_error"] < 1e-5 for row in fused)
+    assert "| step | torch ms | fused ms | speed-up | max rel. diff |" in printed
 
 
 def test_a_wrong_production_cpu_backend_fails_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pagedllm.bench import cpu_attention, cpu_linears
+from pagedllm.bench import cpu_attention, cpu_fused, cpu_linears
 from pagedllm.kernels import unified_attention_ref
 from pagedllm.kernels.attention_heuristics import plan_attention
+from pagedllm.models.cpu_fused_ops import cpu_fused_ops
 from pagedllm.testing.paged_batch import PagedBatch, random_paged_batch
 
 # Peak HBM bandwidth in bytes/s; first substring of the device name that matches wins.
@@ -127,14 +128,22 @@ def run(args: argparse.Namespace) -> None:
     _print(prefill, ("shape", "triton_ms", "metric", "sdpa_ms", "sdpa_metric", "ratio"), metric="TFLOP/s")
     cpu_rows = []
     linears = []
+    fused = []
     if device.type == "cpu":
         cpu_rows = cpu_attention.run_cpu_tables(cpu_attention.TINY if args.tiny else cpu_attention.FULL)
         linears = (cpu_linears.linear_rows(("tiny",), (4,), 1) if args.tiny
                    else cpu_linears.linear_rows(("tiny", "small"), (1, 4, 8, 32, 2048), 7))
+        ops = cpu_fused_ops(torch.float32, device)
+        if ops is None:
+            print("CPU elementwise steps: the fused routines did not build here (see the warning above)\n")
+        else:
+            fused = (cpu_fused.fused_rows(ops, ("tiny",), (4,), 1) if args.tiny
+                     else cpu_fused.fused_rows(ops, ("tiny", "small"), (4, 32, 2048), 15))
     if args.json is not None:
         args.json.write_text(json.dumps({"device": name, "rows": [asdict(r) for r in rows + decode + prefill],
                                          "cpu_rows": [asdict(r) for r in cpu_rows],
-                                         "cpu_linears": [asdict(r) for r in linears]}, default=str, indent=1))
+                                         "cpu_linears": [asdict(r) for r in linears],
+                                         "cpu_fused": [asdict(r) for r in fused]}, default=str, indent=1))
     if not all(row.ok for row in rows):
         raise SystemExit("unified_attention disagrees with the reference")
     if any(row.max_error is None or row.max_error > cpu_attention.MAX_ERROR for row in cpu_rows):

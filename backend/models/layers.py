@@ -12,20 +12,38 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from pagedllm.models.cpu_fused_ops import CpuFusedOps
+
 # These rope types recompute their frequencies from the running sequence length;
 # one batch mixes sequences of many lengths, so they cannot share one table.
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, scaled in the input dtype."""
+    """Root-mean-square norm computed in float32, scaled in the input dtype.
 
-    def __init__(self, size: int, eps: float) -> None:
+    With ``fused`` (float32 on a CPU), [tokens, size] inputs take one compiled call instead of six ops.
+    """
+
+    def __init__(self, size: int, eps: float, fused: CpuFusedOps | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
+        self.fused = fused
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``: a layer's skip connection and the norm after it.
+
+        The fused path adds into ``residual`` in place and returns it.
+        """
+        if self.fused is not None:
+            return self.fused.rms_norm(x, residual, self.weight, self.eps), residual
+        residual = residual + x
+        return self(residual), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.rms_norm(x, None, self.weight, self.eps)
         input_dtype = x.dtype
         x = x.to(torch.float32)
         variance = x.pow(2).mean(-1, keepdim=True)

@@ -19,6 +19,7 @@ from transformers.activations import ACT2FN
 from pagedllm.worker.attention_backend import AttentionBackend
 from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.models.architectures import ArchitectureTraits
+from pagedllm.models.cpu_fused_ops import CpuFusedOps
 from pagedllm.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
 
 
@@ -30,7 +31,8 @@ def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, traits: ArchitectureTraits, attention: AttentionBackend) -> None:
+    def __init__(self, config: PretrainedConfig, traits: ArchitectureTraits, attention: AttentionBackend,
+                 fused: CpuFusedOps | None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -43,6 +45,8 @@ class Attention(nn.Module):
         self.o_proj = _linear(self.q_size, config.hidden_size, traits.o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if traits.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if traits.qk_norm else None
+        # Rotary in place on the fused q|k heads; per-head q/k norms come first, so those models keep torch's.
+        self.fused_rotary = None if traits.qk_norm else fused
 
     def forward(
         self,
@@ -52,16 +56,20 @@ class Attention(nn.Module):
         attn: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        cos, sin = rope
+        if self.fused_rotary is not None:
+            self.fused_rotary.rotate_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        cos, sin = rope
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        if self.fused_rotary is None:
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
         k_cache, v_cache = kv_cache
         self.attention.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
         out = self.attention.attend(q, k_cache, v_cache, attn, self.scale)
@@ -69,46 +77,62 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, traits: ArchitectureTraits) -> None:
+    def __init__(self, config: PretrainedConfig, traits: ArchitectureTraits, fused: CpuFusedOps | None) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, traits.mlp_bias)
         self.down_proj = _linear(config.intermediate_size, config.hidden_size, traits.mlp_bias)
         self.act_fn = ACT2FN[config.hidden_act]
+        self.fused_silu = fused if config.hidden_act == "silu" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_silu is not None:
+            return self.down_proj(self.fused_silu.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, traits: ArchitectureTraits, attention: AttentionBackend) -> None:
+    def __init__(self, config: PretrainedConfig, traits: ArchitectureTraits, attention: AttentionBackend,
+                 fused: CpuFusedOps | None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, traits, attention)
-        self.mlp = MLP(config, traits)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, traits, attention, fused)
+        self.mlp = MLP(config, traits, fused)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual stream)``: the previous layer's output is added to the stream here, not there,
+        so that the add and the norm after it are one step (vLLM's layout). ``residual`` is ``None`` for the
+        first layer, whose ``x`` is the embedding."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, rope, kv_cache, attn)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class Backbone(nn.Module):
     """Embedding, decoder stack and final norm: the checkpoint's ``model.*`` tensors."""
 
-    def __init__(self, config: PretrainedConfig, traits: ArchitectureTraits, attention: AttentionBackend) -> None:
+    def __init__(self, config: PretrainedConfig, traits: ArchitectureTraits, attention: AttentionBackend,
+                 fused: CpuFusedOps | None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(config, traits, attention) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, traits, attention, fused)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
 
 class CausalLM(nn.Module):
@@ -117,7 +141,8 @@ class CausalLM(nn.Module):
     Parameter names follow the checkpoint's (``model.layers.0.self_attn...``)
     except for the fused ``qkv_proj`` and ``gate_up_proj``; see
     ``checkpoint_sources``. Build it on the meta device and let the loader
-    assign real tensors.
+    assign real tensors. ``fused``: compiled elementwise steps for float32 on
+    a CPU (:mod:`pagedllm.models.cpu_fused_ops`); ``None`` keeps torch ops.
     """
 
     def __init__(
@@ -126,6 +151,7 @@ class CausalLM(nn.Module):
         traits: ArchitectureTraits,
         attention: AttentionBackend,
         device: torch.device,
+        fused: CpuFusedOps | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -139,7 +165,7 @@ class CausalLM(nn.Module):
         self.hidden_size: int = config.hidden_size
         self.sliding_window: int | None = traits.sliding_window
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = Backbone(config, traits, attention)
+        self.model = Backbone(config, traits, attention, fused)
         # None: the embedding's weight (tied), unless the loader packed a copy of it for the CPU.
         self.lm_head: nn.Module | None = (None if self.tie_word_embeddings
                                           else _linear(config.hidden_size, config.vocab_size, False))
@@ -173,9 +199,10 @@ class CausalLM(nn.Module):
         self.require_context_fits(attn.max_seq_len)
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, rope, kv_cache, attn)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, attn)
+        return self.model.norm.add_and_norm(x, residual)[0] if residual is not None else self.model.norm(x)
 
     def require_context_fits(self, max_seq_len: int) -> None:
         """``ValueError`` for a context this model cannot attend over (checked per step, graphs included)."""

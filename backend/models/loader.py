@@ -19,6 +19,7 @@ from transformers import AutoConfig
 from pagedllm.worker.attention_backend import AttentionBackend
 from pagedllm.models.architectures import resolve_architecture
 from pagedllm.models.cpu_dtypes import warn_if_emulated
+from pagedllm.models.cpu_fused_ops import cpu_fused_ops
 from pagedllm.models.cpu_linear import pack_linears, packed_linear, packed_linear_choice
 from pagedllm.models.llama import CausalLM
 
@@ -34,7 +35,8 @@ def load_model(
 ) -> CausalLM:
     """Build the model for ``model_dir`` and fill it with the checkpoint's weights.
 
-    Float32 linears on a CPU are packed for MKL or oneDNN (:mod:`pagedllm.models.cpu_linear`).
+    Float32 linears on a CPU are packed for MKL or oneDNN (:mod:`pagedllm.models.cpu_linear`), and its
+    elementwise steps run fused (:mod:`pagedllm.models.cpu_fused_ops`).
     Logs a warning when ``dtype`` is a half type this CPU only emulates (see
     :mod:`pagedllm.models.cpu_dtypes`). Raises ``ValueError`` for an unsupported architecture, a directory without
     safetensors weights, or a checkpoint whose tensors do not match the model
@@ -47,7 +49,7 @@ def load_model(
     config = AutoConfig.from_pretrained(model_dir)
     traits = resolve_architecture(config)
     with torch.device("meta"):
-        model = CausalLM(config, traits, attention, device)
+        model = CausalLM(config, traits, attention, device, cpu_fused_ops(dtype, device))
     files = checkpoint_files(model_dir)
     sources = model.checkpoint_sources()
     wanted = {name for names in sources.values() for name in names}

@@ -3,12 +3,8 @@
 Decode attention is the one place where plain torch cannot avoid copying: SDPA
 needs each sequence's K/V contiguous, so the torch path gathers every block of
 every decoding sequence into a buffer, in every layer, and then reads it again.
-The C routine reads the blocks where they lie, once. It is compiled with the
-machine's own C compiler (``$CC``, else ``cc``) on first use, in about a second,
-into ``~/.cache/pagedllm/native`` (``$PAGEDLLM_NATIVE_CACHE`` overrides it), keyed by
-the source, the flags, the compiler and the CPU, so a shared home directory never
-loads a library built for another CPU. No torch headers are involved, which is
-why it builds in a second and not the ~35 s a torch C++ extension takes.
+The C routine reads the blocks where they lie, once. How it is built and cached:
+:mod:`pagedllm.worker.native_build`.
 
 Without a compiler, or with ``PAGEDLLM_NATIVE_ATTENTION=0``, :func:`load_native_decode`
 returns ``None`` and the plain-torch path runs instead, with a warning saying why.
@@ -17,26 +13,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
 from pagedllm.worker.cpu_attention_plan import NativeDecodes
+from pagedllm.worker.native_build import CACHE_ENV, load_library
+
+__all__ = ["CACHE_ENV", "NativeDecode", "SWITCH_ENV", "load_native_decode"]
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
 SWITCH_ENV = "PAGEDLLM_NATIVE_ATTENTION"  # "0": never build or load it
-CACHE_ENV = "PAGEDLLM_NATIVE_CACHE"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
-BUILD_TIMEOUT_S = 120
 
 
 class NativeDecode:
@@ -77,45 +67,5 @@ class NativeDecode:
 @functools.cache
 def load_native_decode() -> NativeDecode | None:
     """The compiled routine, built on first call; ``None`` (with one warning) when it cannot be."""
-    if os.environ.get(SWITCH_ENV) == "0":
-        return None
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        logger.warning("no C compiler (%r) found: CPU decode attention runs the slower plain-torch path", compiler)
-        return None
-    try:
-        return NativeDecode(ctypes.CDLL(str(_build(compiler))))
-    except (OSError, subprocess.SubprocessError) as error:
-        logger.warning("building %s failed, so CPU decode attention runs the slower plain-torch path: %s",
-                       SOURCE.name, error)
-        return None
-
-
-def _build(compiler: str) -> Path:
-    """The library for this source, flags, compiler and CPU, compiled unless already cached."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu()]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pagedllm" / "native")
-    target = cache / f"paged_decode-{key}.so"
-    if target.is_file():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename, so that a concurrent process never loads half a file.
-    with tempfile.TemporaryDirectory(dir=cache) as staging:
-        built = Path(staging) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
-                                text=True, timeout=BUILD_TIMEOUT_S)
-        if result.returncode != 0:
-            raise OSError(f"{compiler} exited with {result.returncode}: {result.stderr.strip()[-2000:]}")
-        os.replace(built, target)
-    return target
-
-
-def _cpu() -> str:
-    """What ``-march=native`` depends on: the CPU's model and feature flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    wanted = ("model name", "flags", "Features", "CPU part")
-    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
+    library = load_library(SOURCE, SWITCH_ENV, "CPU decode attention runs the slower plain-torch path", logger)
+    return None if library is None else NativeDecode(library)
