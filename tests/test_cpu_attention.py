@@ -230,9 +230,10 @@ def test_an_empty_batch_attends_to_nothing() -> None:
     assert out.shape == (0, *batch.q.shape[1:])
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "torch"])
 @pytest.mark.parametrize("slots", [[3, 40, 22, 0, 17], [3, -1, 22, 0, -1], []], ids=["all", "padded", "empty"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_cpu_scatters_like_reference(slots: list[int], cache_dtype: torch.dtype) -> None:
+def test_write_kv_cpu_scatters_like_reference(slots: list[int], cache_dtype: torch.dtype, native: bool) -> None:
     generator = torch.Generator().manual_seed(7)
     fused = torch.randn(len(slots), 3 * 2 * 24, generator=generator)  # strided views, as the qkv split gives
     key, value = fused[:, 48:96].view(-1, 2, 24), fused[:, 96:].view(-1, 2, 24)
@@ -240,5 +241,5 @@ def test_write_kv_cpu_scatters_like_reference(slots: list[int], cache_dtype: tor
     k_cache, v_cache = head_major(k_expected), head_major(v_expected)
     slot_mapping = torch.tensor(slots, dtype=torch.int64)
     write_kv_ref(key, value, k_expected, v_expected, slot_mapping)
-    torch_backend().write_kv(key, value, k_cache, v_cache, slot_mapping)
+    torch_backend(native).write_kv(key, value, k_cache, v_cache, slot_mapping)
     assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)

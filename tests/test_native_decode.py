@@ -119,6 +119,14 @@ def test_a_table_it_would_read_outside_the_cache_with_is_refused(routine: native
         routine(q, cache, cache, layout.native_decodes, 0.125, torch.empty_like(q), torch.empty(1, 4))
 
 
+def test_a_slot_past_the_cache_is_refused_before_anything_past_it_is_written(routine: native_decode.NativeDecode) -> None:
+    cache = torch.zeros(2, 3, 16, 8)  # head-major: 2 KV heads, 3 blocks of 16 slots
+    rows = torch.ones(3, 2, 8)
+    with pytest.raises(ValueError, match="slot_mapping holds slot 48, outside the cache's 48 slots"):
+        routine.write_kv(rows, rows, cache, cache.clone(), torch.tensor([5, 48, 6]))
+    assert cache[:, 0, 5].eq(1).all() and cache[:, 0, 6].eq(0).all()
+
+
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
 def test_a_cache_directory_it_cannot_create_falls_back_to_torch(
     fresh_load: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture

@@ -10,25 +10,10 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "../worker/exp_nonpositive.h"
+
 /* Work below this many elements runs on one thread: waking a team costs more than it saves. */
 #define PARALLEL_MIN 65536
-
-/* exp(x) for x <= 0, within 2 ulp (the same routine as paged_decode.c's). */
-#pragma omp declare simd
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = nearbyintf(x * 1.44269504f);
-    float r = x - n * 0.693145752f - n * 1.42860677e-6f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { int32_t i; float f; } scale = { .i = ((int32_t)n + 127) << 23 };
-    return p * scale.f;
-}
 
 /* RMSNorm, as transformers computes it in float32: out = weight * (h * 1/sqrt(mean(h^2) + eps)).
  * With a residual, h = residual + x is written back to the residual first (the layer's skip

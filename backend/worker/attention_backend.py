@@ -21,7 +21,7 @@ import torch
 
 from pagedllm.kernels.reference import copy_blocks_ref, unified_attention_ref, write_kv_ref
 from pagedllm.worker.attention_metadata import AttentionMetadata
-from pagedllm.worker.cpu_attention import CpuPagedAttention, new_cpu_cache, write_kv_cpu
+from pagedllm.worker.cpu_attention import CpuPagedAttention, new_cpu_cache
 from pagedllm.worker.cpu_attention_plan import plan_cpu_attention
 from pagedllm.worker.native_decode import load_native_decode
 
@@ -75,9 +75,9 @@ def torch_backend(native: bool = True) -> AttentionBackend:
     ``native`` runs float32 decodes in the compiled routine when it can be built
     (:mod:`pagedllm.worker.native_decode`); ``False`` keeps every step in plain torch.
     """
-    routine = load_native_decode() if native else None
-    return AttentionBackend("torch", plan_cpu_attention, CpuPagedAttention(routine).attend, write_kv_cpu,
-                            copy_blocks_ref, new_cpu_cache)
+    attention = CpuPagedAttention(load_native_decode() if native else None)
+    return AttentionBackend("torch", plan_cpu_attention, attention.attend, attention.write_kv, copy_blocks_ref,
+                            new_cpu_cache)
 
 
 def triton_backend() -> AttentionBackend:

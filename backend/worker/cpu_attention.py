@@ -95,6 +95,13 @@ def write_kv_cpu(
         _head_major(cache).view(num_kv_heads, -1, head_dim).index_copy_(1, slots, new.to(cache.dtype).transpose(0, 1))
 
 
+def _rows_fit(key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Key and value rows the compiled write reads: float32, heads dense within a row, one row stride."""
+    head_dim = key.shape[2]
+    return (value.dtype == torch.float32 and key.shape == value.shape and key.stride(0) == value.stride(0)
+            and key.stride()[1:] == value.stride()[1:] == (head_dim, 1))
+
+
 class CpuPagedAttention:
     """Runs a planned step's attention; owns the gather buffers reused across layers and steps.
 
@@ -106,6 +113,21 @@ class CpuPagedAttention:
     def __init__(self, native: NativeDecode | None = None) -> None:
         self._native = native
         self._buffers: dict[tuple[str, torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = {}
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # int64 [num_tokens]; negative = padded token, skipped
+    ) -> None:
+        """:func:`write_kv_cpu`'s contract; float32 rows go through the compiled routine, which copies
+        each row once from where it lies (e.g. a fused qkv output) instead of two ``index_copy_`` passes."""
+        if self._native is not None and _native_fits(key, k_cache, v_cache) and _rows_fit(key, value):
+            self._native.write_kv(key, value, _head_major(k_cache), _head_major(v_cache), slot_mapping)
+        else:
+            write_kv_cpu(key, value, k_cache, v_cache, slot_mapping)
 
     def attend(
         self,

@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -45,9 +46,12 @@ def load_library(source: Path, switch_env: str, fallback: str, log: logging.Logg
 
 
 def _build(source: Path, compiler: str, flags: tuple[str, ...]) -> Path:
-    """The library for this source, flags, compiler and CPU, compiled unless already cached."""
+    """The library for this source (with the headers it includes), flags, compiler and CPU, compiled unless
+    already cached."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
-    key = hashlib.sha256("\n".join([source.read_text(), " ".join(flags), version, _cpu()]).encode()).hexdigest()[:16]
+    text = source.read_text()
+    headers = [(source.parent / name).read_text() for name in re.findall(r'^#include "([^"]+)"', text, re.MULTILINE)]
+    key = hashlib.sha256("\n".join([text, *headers, " ".join(flags), version, _cpu()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pagedllm" / "native")
     target = cache / f"{source.stem}-{key}.so"
     if target.is_file():

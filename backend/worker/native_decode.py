@@ -30,7 +30,8 @@ SWITCH_ENV = "PAGEDLLM_NATIVE_ATTENTION"  # "0": never build or load it
 
 
 class NativeDecode:
-    """``pagedllm_paged_decode_f32`` with its argument types; see ``paged_decode.c`` for the contract."""
+    """``pagedllm_paged_decode_f32`` and ``pagedllm_write_kv_f32`` with their argument types; see
+    ``paged_decode.c`` for the contracts."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         pointer, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -38,6 +39,25 @@ class NativeDecode:
         self._function.restype = ctypes.c_int
         self._function.argtypes = [pointer, pointer, pointer, pointer, pointer, i64, pointer, i64, i64, i64, i64, i64,
                                    i64, ctypes.c_float, i64, ctypes.c_int, pointer, pointer]
+        self._write = library.pagedllm_write_kv_f32
+        self._write.restype = i64
+        self._write.argtypes = [pointer, pointer, i64, pointer, i64, i64, i64, i64, pointer, pointer]
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # float32 [num_tokens, kv_heads, head_dim], heads dense within a row
+        value: torch.Tensor,  # the same shape and row stride as key
+        k_cache: torch.Tensor,  # float32 contiguous head-major [kv_heads, num_blocks, block_size, head_dim]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens]; negative = padded token, skipped
+    ) -> None:
+        kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+        slots = slot_mapping.to(torch.int64).contiguous()  # held: the pointer must outlive the call
+        num_slots = num_blocks * block_size
+        written = self._write(key.data_ptr(), value.data_ptr(), key.stride(0), slots.data_ptr(), len(slots),
+                              kv_heads, head_dim, num_slots, k_cache.data_ptr(), v_cache.data_ptr())
+        if written != len(slots):
+            raise ValueError(f"slot_mapping holds slot {int(slots[written])}, outside the cache's {num_slots} slots")
 
     def __call__(
         self,

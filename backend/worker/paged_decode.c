@@ -7,30 +7,15 @@
  * attend together, so each K and V row is loaded once for all of them.
  *
  * float32 only. -ffast-math is avoided on purpose: on gcc < 13 it links crtfastmath.o, which
- * flips the whole process to flush-to-zero when the library is loaded. The exp below is
- * therefore spelled out, so that the compiler can vectorize it without libmvec.
+ * flips the whole process to flush-to-zero when the library is loaded. Its exp is therefore
+ * spelled out (exp_nonpositive.h), so that the compiler can vectorize it without libmvec.
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-/* exp(x) for x <= 0, within 2 ulp: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 polynomial. */
-#pragma omp declare simd
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = nearbyintf(x * 1.44269504f);
-    float r = x - n * 0.693145752f - n * 1.42860677e-6f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { int32_t i; float f; } scale = { .i = ((int32_t)n + 127) << 23 };
-    return p * scale.f;
-}
+#include "exp_nonpositive.h"
 
 static inline float dot(const float* restrict a, const float* restrict b, int64_t n) {
     float sum = 0.0f;
@@ -150,4 +135,30 @@ int pagedllm_paged_decode_f32(const float* q, const float* k_cache, const float*
         free(scores);
     }
     return failed;
+}
+
+/* The cache's write side: token t's key and value rows (kv_heads x head_dim, rows row_stride floats
+ * apart, as in a fused qkv output) go to slot slots[t] of every head of the head-major caches;
+ * a negative slot is a padded token and is skipped. Returns how many tokens were handled: num_tokens,
+ * or the first token whose slot is past the caches (nothing of it or later is written). */
+int64_t pagedllm_write_kv_f32(const float* key, const float* value, int64_t row_stride, const int64_t* slots,
+                              int64_t num_tokens, int64_t kv_heads, int64_t head_dim, int64_t num_slots,
+                              float* k_cache, float* v_cache) {
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        if (slot >= num_slots) return t;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            float* k_row = k_cache + (h * num_slots + slot) * head_dim;
+            float* v_row = v_cache + (h * num_slots + slot) * head_dim;
+            const float* k_new = key + t * row_stride + h * head_dim;
+            const float* v_new = value + t * row_stride + h * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) {
+                k_row[d] = k_new[d];
+                v_row[d] = v_new[d];
+            }
+        }
+    }
+    return num_tokens;
 }
