@@ -114,15 +114,9 @@ class CpuPagedAttention:
         self._native = native
         self._buffers: dict[tuple[str, torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = {}
 
-    def write_kv(
-        self,
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        slot_mapping: torch.Tensor,  # int64 [num_tokens]; negative = padded token, skipped
-    ) -> None:
-        """:func:`write_kv_cpu`'s contract; float32 rows go through the compiled routine, which copies
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """:func:`write_kv_cpu`'s contract and shapes; float32 rows go through the compiled routine, which copies
         each row once from where it lies (e.g. a fused qkv output) instead of two ``index_copy_`` passes."""
         if self._native is not None and _native_fits(key, k_cache, v_cache) and _rows_fit(key, value):
             self._native.write_kv(key, value, _head_major(k_cache), _head_major(v_cache), slot_mapping)
