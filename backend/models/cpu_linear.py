@@ -6,18 +6,19 @@ the weight once for the GEMM library removes that work:
 
 - ``mkl-packed`` (the default): MKL's packed GEMM (``cblas_sgemm_pack`` /
   ``cblas_sgemm_compute``), called through ctypes from the MKL that torch's own
-  library exports. Measured on the benchmark models' shapes, 1 thread, it beats
-  oneDNN's packed linear at every row count (1.1-1.4x at 32 rows, 1.2-3x at 1-4
-  rows, 1.0-1.5x at 256-2048 rows) and, at 32 rows and more, gives the same
-  bits as ``F.linear``. Source: ``pagedllm bench kernels --device cpu``
-  (docs/results/kernels-cpu.md). The call releases the GIL.
+  library exports. On the benchmark models' shapes, 1 thread, it is 1.1-1.5x
+  faster than oneDNN's packed linear at 1-32 rows and within 0.9-1.1x of it at
+  2048 rows; against ``F.linear`` it is 1.1-2.2x faster at 4-32 rows of the
+  wider shapes, slower at 1-8 rows of the narrowest. Source: ``pagedllm bench
+  kernels --device cpu`` (docs/results/kernels-cpu.md); small long-tail end to
+  end 21.1-21.3 -> 20.2-20.4 s against oneDNN. The call releases the GIL.
 - ``onednn``: torch's ``mkldnn._linear_pointwise`` on a oneDNN-packed weight,
   the packing vLLM's CPU backend uses; each call costs ~15 us more in ideep's
   per-call setup. Also the fallback where torch was built without MKL.
 - ``mkl``: plain ``F.linear``.
 
-Packed results differ from ``F.linear`` by float32 rounding at a few rows
-(~2e-6 relative): the sums run in another order. The engine already feeds
+Packed results differ from ``F.linear`` by float32 rounding (<= 1.2e-6
+relative on those shapes): the sums run in another order. The engine already feeds
 MKL different row counts than transformers does, so bit equality was never
 given; the token-exact tests, which allow exact top-two ties only, pass.
 ``PAGEDLLM_CPU_LINEAR`` picks one of the three.
@@ -40,8 +41,9 @@ CHOICES = ("mkl-packed", "onednn", "mkl")  # the first is the default; "mkl" is 
 
 # CBLAS enum values (mkl_cblas.h).
 _ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
-# The row count MKL is told to pack for; it picks the packed layout, not a limit.
-_PACK_ROWS = 32
+# The row count MKL is told to pack for; it picks the packed layout, not a limit. Packed for 32 rows,
+# prefill-sized products ran ~10% slower; for 256 they run as fast as for 2048 and so do 8-32 rows.
+_PACK_ROWS = 256
 
 
 class PackedLinear(nn.Module):
