@@ -6,9 +6,9 @@ the weight once for the GEMM library removes that work:
 
 - ``mkl-packed`` (the default): MKL's packed GEMM (``cblas_sgemm_pack`` /
   ``cblas_sgemm_compute``), called through ctypes from the MKL that torch's own
-  library exports. On the benchmark models' shapes, 1 thread, it is 1.1-1.5x
+  library exports. On the benchmark models' shapes, 1 thread, it is 1.0-1.65x
   faster than oneDNN's packed linear at 1-32 rows and within 0.9-1.1x of it at
-  2048 rows; against ``F.linear`` it is 1.1-2.2x faster at 4-32 rows of the
+  2048 rows; against ``F.linear`` it is 1.0-2.3x faster at 4-32 rows of the
   wider shapes, slower at 1-8 rows of the narrowest. Source: ``pagedllm bench
   kernels --device cpu`` (docs/results/kernels-cpu.md); small long-tail end to
   end 21.1-21.3 -> 20.2-20.4 s against oneDNN. The call releases the GIL.
