@@ -16,7 +16,7 @@ import pytest
 import requests
 
 pytest.importorskip("tritonclient.grpc")
-from test_triton_server import metrics, wait_for_metrics  # noqa: E402
+from test_triton_server import settled_metrics, wait_for_metrics  # noqa: E402
 
 from pagedllm.serving.server import TritonServer  # noqa: E402
 
@@ -51,7 +51,7 @@ def send_request(server: TritonServer, body: dict[str, object], path: str) -> so
 
 def generated_after_hanging_up(server: TritonServer, body: dict[str, object], path: str) -> float:
     """Tokens the engine generated for a request whose client hung up once it was running; blocks must drain."""
-    before = metrics(server)
+    before = settled_metrics(server)
     sock = send_request(server, body, path)
     if path == "generate_stream":
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # the first event is on its way: it is generating

@@ -171,6 +171,22 @@ def wait_for_metrics(server: TritonServer, condition: Callable[[dict[str, float]
     return values
 
 
+def settled_metrics(server: TritonServer) -> dict[str, float]:
+    """Metrics once the engine is idle and the publisher has caught up with its last step.
+
+    Metrics are published a little after the step that produced them, so a reading taken
+    just as an earlier test's streams end can still miss their last tokens.
+    """
+    previous = wait_for_metrics(server, lambda m: m.get("pagedllm:num_requests_running") == 0
+                                and m.get("pagedllm:num_requests_waiting") == 0)
+    while True:
+        time.sleep(0.3)
+        current = metrics(server)
+        if current == previous:
+            return current
+        previous = current
+
+
 def test_grpc_stream_equals_offline_generate_token_for_token(server: TritonServer, offline: LLM) -> None:
     prompt = "def main(self, value):"
     expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
@@ -252,7 +268,7 @@ def test_64_concurrent_streams_return_their_offline_results(server: TritonServer
 
 
 def test_cancelled_streams_free_their_blocks(server: TritonServer) -> None:
-    before = metrics(server)
+    before = settled_metrics(server)
     max_tokens = MAX_MODEL_LEN - 32
     client = StreamClient(server.grpc_url)
     results = [client.send(f"k{i}", make_inputs(prompt_of(i), greedy(max_tokens, ignore_eos=True), stream=True))
