@@ -84,6 +84,20 @@ def test_it_refuses_tensors_it_would_misread(ops: CpuFusedOps) -> None:
         ops.rotate_(torch.zeros(8, 4).T, torch.zeros(4, 2), torch.zeros(4, 2), 1, 2)
 
 
+def test_it_refuses_sizes_that_would_reach_past_a_buffer(ops: CpuFusedOps) -> None:
+    with pytest.raises(ValueError, match="needs a weight of 8"):
+        ops.rms_norm(torch.zeros(2, 8), None, torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="residual of the same shape"):
+        ops.rms_norm(torch.zeros(2, 8), torch.zeros(1, 8), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="do not fit rows"):
+        ops.rotate_(torch.zeros(3, 16), torch.zeros(3, 8), torch.zeros(3, 8), 3, 8)
+    # A partial rotary (cos/sin narrower than the head) must not reach the C side.
+    with pytest.raises(ValueError, match="the whole head rotates"):
+        ops.rotate_(torch.zeros(3, 16), torch.zeros(3, 1, 4), torch.zeros(3, 1, 4), 2, 8)
+    with pytest.raises(ValueError, match="even width"):
+        ops.silu_mul(torch.zeros(2, 7))
+
+
 def test_switched_off_the_model_runs_torch_ops_and_still_matches_transformers(
     tiny_model_dir: Callable[[str], Path], fresh_load: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

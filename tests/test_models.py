@@ -20,6 +20,7 @@ from pagedllm.worker.attention_backend import attention_backend_named
 from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.models import CausalLM, load_model
 from pagedllm.models.cpu_dtypes import native_cpu_dtypes, unsupported_cpu_dtype_message
+from pagedllm.models import cpu_linear
 from pagedllm.models.cpu_linear import SWITCH_ENV, MklPackedLinear, OneDnnLinear, PackedLinear
 
 ARCHES = ["llama", "mistral", "qwen2", "qwen3"]
@@ -208,6 +209,15 @@ def test_float32_cpu_linears_are_packed_unless_switched_off(tiny_model_dir: Call
     expected = {"mkl-packed": MklPackedLinear, "onednn": OneDnnLinear, "mkl": nn.Linear}[linears]
     assert kinds(load(tiny_model_dir("qwen3"))) == {expected}
     assert kinds(load(tiny_model_dir("qwen3"), torch.bfloat16)) == {nn.Linear}
+
+
+def test_the_mkl_packed_linear_refuses_input_it_would_misread() -> None:
+    if cpu_linear._mkl() is None:
+        pytest.skip("this torch build exports no MKL packed GEMM")
+    linear = MklPackedLinear(torch.randn(8, 16), None)
+    assert linear(torch.ones(3, 16)).shape == (3, 8)
+    with pytest.raises(ValueError, match="takes float32 CPU input, got torch.float64"):
+        linear(torch.ones(3, 16, dtype=torch.float64))
 
 
 def test_an_unknown_cpu_linear_choice_is_refused(tiny_model_dir: Callable[[str], Path],

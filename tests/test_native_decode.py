@@ -127,6 +127,19 @@ def test_a_slot_past_the_cache_is_refused_before_anything_past_it_is_written(rou
     assert cache[:, 0, 5].eq(1).all() and cache[:, 0, 6].eq(0).all()
 
 
+@pytest.mark.parametrize("rows, slots", [
+    (torch.ones(3, 2, 16), torch.tensor([0, 1, 2])),  # head_dim 16 against a cache of 8
+    (torch.ones(3, 4, 8), torch.tensor([0, 1, 2])),  # 4 KV heads against 2
+    (torch.ones(3, 2, 8), torch.tensor([0, 1, 2, 3])),  # more slots than rows
+], ids=["head-dim", "heads", "slots"])
+def test_rows_that_do_not_match_the_cache_are_refused(routine: native_decode.NativeDecode, rows: torch.Tensor,
+                                                       slots: torch.Tensor) -> None:
+    cache = torch.zeros(2, 3, 16, 8)
+    with pytest.raises(ValueError, match="do not match caches"):
+        routine.write_kv(rows, rows, cache, cache.clone(), slots)
+    assert cache.eq(0).all()
+
+
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
 def test_a_cache_directory_it_cannot_create_falls_back_to_torch(
     fresh_load: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture

@@ -43,6 +43,11 @@ class CpuFusedOps:
                  eps: float) -> torch.Tensor:
         """RMSNorm of ``x`` [rows, width]; with ``residual``, of ``residual += x`` (updated in place)."""
         rows, width = x.shape
+        # The C side trusts these sizes; a mismatch would read or write past a buffer.
+        if weight.numel() != width or (residual is not None and residual.shape != x.shape):
+            raise ValueError(f"rms_norm: x {tuple(x.shape)} needs a weight of {width} and a residual of the same "
+                             f"shape, got {tuple(weight.shape)} and "
+                             f"{None if residual is None else tuple(residual.shape)}")
         x = _dense(x.contiguous())  # held here: the pointer must outlive the call
         out = torch.empty(rows, width, dtype=torch.float32)
         self._rms_norm(x.data_ptr(), None if residual is None else _dense(residual).data_ptr(),
@@ -51,12 +56,20 @@ class CpuFusedOps:
 
     def rotate_(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
         """Rotate the first ``heads`` heads of each dense row of ``qkv`` in place; cos/sin [rows, (1,) head_dim]."""
+        rows = qkv.shape[0]
+        if qkv.dim() != 2 or heads * head_dim > qkv.shape[1] or head_dim % 2:
+            raise ValueError(f"rotary: {heads} heads of {head_dim} (even) do not fit rows of {tuple(qkv.shape)}")
+        if cos.numel() != rows * head_dim or sin.numel() != rows * head_dim:
+            raise ValueError(f"rotary: cos/sin need {rows} x {head_dim} values (the whole head rotates), "
+                             f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
         cos, sin = _dense(cos.contiguous()), _dense(sin.contiguous())  # held: the pointers must outlive the call
-        self._rotary(_dense(qkv).data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), qkv.shape[0], heads,
+        self._rotary(_dense(qkv).data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), rows, heads,
                      head_dim, torch.get_num_threads())
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for dense rows of ``[gate | up]``."""
+        if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+            raise ValueError(f"silu_mul: expected rows of [gate | up] (even width), got {tuple(gate_up.shape)}")
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(rows, width, dtype=torch.float32)
         self._silu_mul(_dense(gate_up).data_ptr(), out.data_ptr(), rows, width, torch.get_num_threads())

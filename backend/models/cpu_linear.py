@@ -85,6 +85,8 @@ class MklPackedLinear(PackedLinear):
                               self.packed.data_ptr())
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"the MKL-packed linear takes float32 CPU input, got {x.dtype} on {x.device}")
         rows = x.reshape(-1, self.in_features).contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         if rows.shape[0]:

@@ -52,6 +52,13 @@ class NativeDecode:
         slot_mapping: torch.Tensor,  # [num_tokens]; negative = padded token, skipped
     ) -> None:
         kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+        # C trusts these sizes: a mismatch would read past the rows or write past the cache.
+        if (key.shape[1:] != (kv_heads, head_dim) or value.shape != key.shape or value.stride() != key.stride()
+                or key.stride(2) != 1 or (kv_heads > 1 and key.stride(1) != head_dim) or v_cache.shape != k_cache.shape
+                or slot_mapping.shape != (key.shape[0],)):
+            raise ValueError(f"write_kv: key {tuple(key.shape)} / value {tuple(value.shape)} with strides "
+                             f"{key.stride()} / {value.stride()} and {tuple(slot_mapping.shape)} slots do not "
+                             f"match caches of {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
         slots = slot_mapping.to(torch.int64).contiguous()  # held: the pointer must outlive the call
         num_slots = num_blocks * block_size
         written = self._write(key.data_ptr(), value.data_ptr(), key.stride(0), slots.data_ptr(), len(slots),
