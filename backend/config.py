@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from pagedllm.engine.cpu_binding import check_setting
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _ATTENTION_BACKENDS = ("auto", "triton", "torch", "torch-reference")
 _SCHEDULING = ("continuous", "static")
@@ -42,6 +44,8 @@ class EngineConfig:
     # Serve with the engine in a child process of the Triton stub, off the stub's GIL
     # (pagedllm.engine.core_process); offline LLM use always runs the engine in-process.
     engine_process: bool = True
+    # CPUs of the engine child vs the serving side: "auto", "off" or a CPU list (pagedllm.engine.cpu_binding).
+    cpu_bind: str = "auto"
     # Replay decode steps as CUDA graphs (pagedllm.worker.cuda_graphs); CUDA with the triton backend only.
     cuda_graphs: bool = False
 
@@ -61,6 +65,8 @@ class EngineConfig:
                  f"one of {', '.join(_ATTENTION_BACKENDS)}")
         _require(self.scheduling in _SCHEDULING, "scheduling", self.scheduling, f"one of {', '.join(_SCHEDULING)}")
         _require(isinstance(self.engine_process, bool), "engine_process", self.engine_process, "true or false")
+        _require(isinstance(self.cpu_bind, str) and _valid_cpu_bind(self.cpu_bind), "cpu_bind", self.cpu_bind,
+                 "auto, off or a CPU list such as '1' or '2-7,10'")
         _require(isinstance(self.cuda_graphs, bool), "cuda_graphs", self.cuda_graphs, "true or false")
         _require(not self.cuda_graphs or self.device != "cpu", "cuda_graphs", self.cuda_graphs,
                  "false with device=cpu: CUDA graphs need a CUDA device")
@@ -91,6 +97,14 @@ class EngineConfig:
         if self.torch_device().type == "cpu":
             return torch.float32
         return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def _valid_cpu_bind(setting: str) -> bool:
+    try:
+        check_setting(setting)
+    except ValueError:
+        return False
+    return True
 
 
 def _require(ok: bool, name: str, value: object, rule: str) -> None:

@@ -112,7 +112,9 @@ class TritonPythonModel:
             engine_config = dataclasses.replace(engine_config, device=f"cuda:{args['model_instance_device_id']}")
         self._logger.log_info(f"[pagedllm] starting engine with {engine_config}")
         self._model_name = args["model_name"]
-        self._engine = EngineCoreProcess(engine_config) if engine_config.engine_process else LLMEngine(engine_config)
+        # The stub's own threads move off the CPUs the engine child binds (engine.cpu_binding).
+        self._engine = (EngineCoreProcess(engine_config, bind_caller=True) if engine_config.engine_process
+                        else LLMEngine(engine_config))
         self._supervision = SupervisionFolder.from_environment()
         if self._supervision is not None:
             self._engine.step = self._supervision.with_fault_hook(self._model_name, self._engine.step)

@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT)
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="serve with the engine core in its own process (engine_process in model.json)")
+    parser.add_argument("--cpu-bind", default="auto",
+                        help="the engine's cpu_bind: auto, off or a CPU list (pagedllm.engine.cpu_binding)")
     parser.add_argument("--soak", type=int, default=None, metavar="N",
                         help="instead: N requests at concurrency 32, backend stub RSS at the start and the end "
                              "(see pagedllm.bench.serving_soak)")
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace) -> None:
     words, tokens = (8, 8) if args.tiny else (args.prompt_words, args.output_tokens)
     engine_args = {"model": str(bench_model("tiny")), "dtype": "float32", "device": "cpu", "block_size": 16,
                    "max_model_len": args.max_model_len, "max_num_seqs": max(levels), "seed": args.seed,
-                   "engine_process": args.engine_process}
+                   "engine_process": args.engine_process, "cpu_bind": args.cpu_bind}
     info = report.machine()
     print(report.header("pagedllm bench serving", info))
     rows: list[dict[str, Any]] = []

@@ -15,7 +15,9 @@ waiting for a verdict admitted one request per step and left a burst of arrivals
 queued for as many steps. The prompt never travels back: the parent puts it on the
 outputs. If the child dies (a crashing kernel, the OOM killer), the step
 that notices raises, the loop fails the in-flight requests, and the next call
-starts a fresh child: the server keeps serving without a reload.
+starts a fresh child: the server keeps serving without a reload. The child binds
+itself to CPUs of its own as ``cpu_bind`` says (:mod:`pagedllm.engine.cpu_binding`),
+and the stub moves its threads to the rest.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.admission import AdmissionLimits, check_request, tokenize_prompt
+from pagedllm.engine.cpu_binding import CpuSplit, bind_engine, pin_process
 from pagedllm.engine.engine_contract import STALLED_RETRY_S, progress
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -40,6 +43,7 @@ from pagedllm.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 900.0  # loading a large checkpoint takes minutes
+CHILD_MARKER = f"from {__name__} import child_main"  # in every engine child's command line
 
 
 class EngineCoreDied(RuntimeError):
@@ -49,10 +53,17 @@ class EngineCoreDied(RuntimeError):
 class EngineCoreProcess:
     """An ``LLMEngine`` in its own process (see the module docstring); not thread-safe, like the engine."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, bind_caller: bool = False) -> None:
+        """``bind_caller``: also restrict this (the calling) process to the CPUs ``config.cpu_bind`` leaves
+        to the serving side; the Triton stub does, a library caller should not have its process pinned."""
         self.config = config
         self.restarts = 0
+        # Captured before anything is pinned, so a restarted child splits the same CPUs.
+        self._allowed_cpus = frozenset(os.sched_getaffinity(0))
         self._start()
+        self.cpu_split: CpuSplit | None = self._info["cpu_split"]
+        if bind_caller and self.cpu_split is not None and self.cpu_split.serving:
+            pin_process(self.cpu_split.serving)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self._info["tokenizer_dir"])
         self.max_model_len: int = self._info["max_model_len"]
 
@@ -115,14 +126,14 @@ class EngineCoreProcess:
         # parent's main module (inside Triton's stub there is no such module to re-run).
         parent_end, child_end = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        command = [_python_executable(), "-c", f"from {__name__} import child_main; child_main({child_end.fileno()})"]
+        command = [_python_executable(), "-c", f"{CHILD_MARKER}; child_main({child_end.fileno()})"]
         self._process = subprocess.Popen(command, pass_fds=[child_end.fileno()], env=env)
         child_end.close()
         self._conn = Connection(parent_end.detach())
         self._in_flight: set[str] = set()
         self._prompts: dict[str, tuple[str | None, tuple[int, ...]]] = {}  # of the requests in flight
         self._steps: deque[list[RequestOutput] | str] = deque()
-        self._send(("config", self.config))
+        self._send(("config", self.config, self._allowed_cpus))
         if not self._conn.poll(START_TIMEOUT_S):
             self.close()
             raise RuntimeError(f"the engine core did not start within {START_TIMEOUT_S:.0f} s")
@@ -191,14 +202,15 @@ def child_main(fd: int) -> None:
     from pagedllm.engine.llm_engine import LLMEngine
 
     conn = Connection(fd)
-    _, config = conn.recv()
+    _, config, allowed_cpus = conn.recv()
     try:
+        cpu_split = bind_engine(config.cpu_bind, allowed_cpus, CHILD_MARKER)
         engine = LLMEngine(config)
     except Exception as error:
         conn.send(("failed", (type(error).__name__, str(error))))
         return
     info = {"max_model_len": engine.max_model_len, "tokenizer_dir": engine.tokenizer.name_or_path,
-            "limits": engine.limits}
+            "limits": engine.limits, "cpu_split": cpu_split}
     conn.send(("ready", info, engine.stats()))
     stalled = False
     while True:
