@@ -19,7 +19,7 @@ from pagedllm.engine.cpu_binding import CpuSplit, parse_cpu_list, split_cpus
 def test_cpu_lists_parse_like_taskset_and_bad_ones_are_refused() -> None:
     assert parse_cpu_list("0,2-4") == {0, 2, 3, 4}
     assert parse_cpu_list(" 7 ") == {7}
-    for bad in ("", "a", "1-", "-1", "3-1", "1,,2", "1.5"):
+    for bad in ("", "a", "1-", "-1", "3-1", "1,,2", "1.5", "0-1000000000000", "8192"):
         with pytest.raises(ValueError):
             parse_cpu_list(bad)
     with pytest.raises(ValueError, match="cpu_bind='0-x' is invalid: expected auto, off or a CPU list"):

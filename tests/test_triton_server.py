@@ -171,19 +171,21 @@ def wait_for_metrics(server: TritonServer, condition: Callable[[dict[str, float]
     return values
 
 
-def settled_metrics(server: TritonServer) -> dict[str, float]:
+def settled_metrics(server: TritonServer, timeout_s: float = 60) -> dict[str, float]:
     """Metrics once the engine is idle and the publisher has caught up with its last step.
 
     Metrics are published a little after the step that produced them, so a reading taken
     just as an earlier test's streams end can still miss their last tokens.
     """
+    deadline = time.monotonic() + timeout_s
     previous = wait_for_metrics(server, lambda m: m.get("pagedllm:num_requests_running") == 0
-                                and m.get("pagedllm:num_requests_waiting") == 0)
+                                and m.get("pagedllm:num_requests_waiting") == 0, timeout_s)
     while True:
         time.sleep(0.3)
         current = metrics(server)
         if current == previous:
             return current
+        assert time.monotonic() < deadline, f"metrics still changing after {timeout_s} s with nothing running"
         previous = current
 
 

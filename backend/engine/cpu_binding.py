@@ -4,10 +4,10 @@ Served with ``engine_process`` (the default), the engine child shares the machin
 the Triton stub's threads (receiving requests, building and sending responses),
 tritonserver's gRPC/HTTP threads and often the load itself. Those threads wake up for
 every streamed token; left to the kernel's scheduler they land on the engine's cores
-and stall its step mid-GEMM. Measured on the 2-core CPU host (tiny model, 64 streams,
-1 torch thread, ``pagedllm bench serving --concurrency 64 --requests-per-client 6``):
-2,750-2,840 tok/s unbound, 3,540 with only the engine child bound to CPU 1, 3,970
-with the stub on CPU 0 as well. vLLM's CPU backend binds its OpenMP threads for the
+and stall its step mid-GEMM. On the 2-core CPU host (tiny model, 64 streams, 1 torch
+thread), alternating ``pagedllm bench serving --concurrency 64 --requests-per-client 6
+--cpu-bind off`` and ``--cpu-bind auto`` gave 2,634 and 2,898 tok/s off against 3,461 and
+3,228 auto (docs/results/RESULTS.md, "Serving"). vLLM's CPU backend binds its OpenMP threads for the
 same reason (``VLLM_CPU_OMP_THREADS_BIND``, with CPUs reserved for the frontend).
 
 ``cpu_bind`` (an engine argument) is one of:
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "off")
+MAX_CPUS = 8192  # Linux's largest NR_CPUS: a list past it is a typo, and "0-10**12" must not build a huge set
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,8 @@ def parse_cpu_list(text: str) -> frozenset[int]:
         low, high = int(first), int(last) if dash else int(first)
         if high < low:
             raise ValueError(f"{text!r} has a descending range {part.strip()!r}")
+        if high >= MAX_CPUS:
+            raise ValueError(f"{text!r} names CPU {high}; CPU ids are below {MAX_CPUS}")
         cpus.update(range(low, high + 1))
     return frozenset(cpus)
 
