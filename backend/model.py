@@ -58,6 +58,7 @@ from pagedllm.serving.request_codec import (
 )
 from pagedllm.serving.response_codec import ResponseAssembler, Tensors
 from pagedllm.serving.response_dispatcher import Data, Failure, ResponseDispatcher
+from pagedllm.serving.server_placement import TritonServerThreads
 from pagedllm.serving import stop_signal
 from pagedllm.serving.supervision import SupervisionFolder
 
@@ -112,9 +113,20 @@ class TritonPythonModel:
             engine_config = dataclasses.replace(engine_config, device=f"cuda:{args['model_instance_device_id']}")
         self._logger.log_info(f"[pagedllm] starting engine with {engine_config}")
         self._model_name = args["model_name"]
-        # The stub's own threads move off the CPUs the engine child binds (engine.cpu_binding).
-        self._engine = (EngineCoreProcess(engine_config, bind_caller=True) if engine_config.engine_process
-                        else LLMEngine(engine_config))
+        # The stub's threads and tritonserver's move off the CPUs the engine child binds (engine.cpu_binding,
+        # serving.server_placement).
+        self._server_threads: TritonServerThreads | None = None
+        self._engine: EngineCoreProcess | LLMEngine
+        if engine_config.engine_process:
+            server = TritonServerThreads.parent()
+            self._engine = EngineCoreProcess(engine_config, bind_caller=True,
+                                             allowed_cpus=server.cpus if server is not None else None)
+            split = self._engine.cpu_split
+            if server is not None and split is not None and split.serving:
+                server.confine(split.serving)
+                self._server_threads = server
+        else:
+            self._engine = LLMEngine(engine_config)
         self._supervision = SupervisionFolder.from_environment()
         if self._supervision is not None:
             self._engine.step = self._supervision.with_fault_hook(self._model_name, self._engine.step)
@@ -292,6 +304,8 @@ class TritonPythonModel:
         self._stop_serving()
         if isinstance(self._engine, EngineCoreProcess):
             self._engine.close(timeout_s=2.0)
+        if self._server_threads is not None:
+            self._server_threads.release()
         self._dispatcher.close(timeout_s=max(0.1, deadline - time.monotonic() - 1.0))
         self._watcher.close(timeout_s=0.5)
         if self._metrics is not None:

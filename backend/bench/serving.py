@@ -9,23 +9,31 @@ replays the very same prompts and ``max_tokens`` through ``LLM.generate``
 with ``max_num_seqs`` = the concurrency, so "serving / in-process" is what
 the Triton path (gRPC, streaming one response per token, the engine thread)
 costs at that load. Both sides use the same torch thread count.
+
+When the engine binds CPUs (``--cpu-bind``), the load client runs on the serving
+side's CPUs, as a load generator on another host would stay off the engine's: left
+free, the kernel moves its threads onto the engine's CPU whenever the serving CPU is
+busy. The in-process replay runs unbound, as before.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import json
+import os
 import random
 import sys
 import tempfile
 import time
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from pagedllm.bench import report
 from pagedllm.bench.models import bench_model
+from pagedllm.engine.cpu_binding import pin_process, split_cpus
 
 MODEL_NAME = "llm"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -85,6 +93,11 @@ def run(args: argparse.Namespace) -> None:
                    "engine_process": args.engine_process, "cpu_bind": args.cpu_bind}
     info = report.machine()
     print(report.header("pagedllm bench serving", info))
+    split = split_cpus(args.cpu_bind, os.sched_getaffinity(0), args.threads) if args.engine_process else None
+    client_cpus = split.serving if split is not None and split.serving else None
+    print(f"cpu_bind={args.cpu_bind}: " + (f"engine on CPUs {sorted(split.engine)}, serving side and load client on "
+                                          f"{sorted(client_cpus)}" if split is not None and client_cpus else
+                                          "nothing bound") + "\n")
     rows: list[dict[str, Any]] = []
     scratch = tempfile.TemporaryDirectory(prefix="pagedllm-bench-serving-")
     repository = write_model_repository(Path(scratch.name), engine_args)
@@ -98,10 +111,12 @@ def run(args: argparse.Namespace) -> None:
             if not server.running:
                 rows.append({"concurrency": level, "requests": count, "failure": "not run: the server had exited"})
                 continue
-            rows.append(_measure(client, server.grpc_url, engine_args, level, count, words, tokens, args.seed + level))
+            rows.append(_measure(client, server.grpc_url, engine_args, level, count, words, tokens, args.seed + level,
+                                 client_cpus))
             if door is not None and "failure" not in rows[-1]:
-                rows[-1].update(_measure_openai(client, server.grpc_url, door.base_url, level, count, words, tokens,
-                                                args.seed + level, args.openai_rounds))
+                with _running_on(client_cpus):
+                    rows[-1].update(_measure_openai(client, server.grpc_url, door.base_url, level, count, words,
+                                                    tokens, args.seed + level, args.openai_rounds))
             if "failure" in rows[-1]:
                 log_tail = server.log_tail(6000)
     print(f"## tiny model, prompts ~{words} words, max_tokens ~{tokens} (uniform ±50%, ignore_eos), greedy\n")
@@ -134,10 +149,12 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _measure(client: ModuleType, url: str, engine_args: dict[str, Any], level: int, count: int, words: int,
-             tokens: int, seed: int) -> dict[str, Any]:
-    """One concurrency level: the load client's summary, then the in-process replay of the same requests."""
-    load = client.run_load(url, MODEL_NAME, concurrency=level, num_requests=count, prompt_words=words,
-                           prompt_dist="uniform", output_tokens=tokens, output_dist="uniform", seed=seed)
+             tokens: int, seed: int, client_cpus: frozenset[int] | None) -> dict[str, Any]:
+    """One concurrency level: the load client's summary (run on ``client_cpus``), then the in-process
+    replay of the same requests."""
+    with _running_on(client_cpus):
+        load = client.run_load(url, MODEL_NAME, concurrency=level, num_requests=count, prompt_words=words,
+                               prompt_dist="uniform", output_tokens=tokens, output_dist="uniform", seed=seed)
     summary = load.summary()
     if summary["errors"]:
         first = next(r.error for r in load.records if r.error)
@@ -149,6 +166,20 @@ def _measure(client: ModuleType, url: str, engine_args: dict[str, Any], level: i
     offline = in_process(engine_args, prompts, max_tokens, level, seed)
     return {**summary, "in_process_s": offline["seconds"], "in_process_tokens_per_s": offline["tokens_per_s"],
             "serving_over_in_process": summary["output_tokens_per_s"] / offline["tokens_per_s"]}
+
+
+@contextmanager
+def _running_on(cpus: frozenset[int] | None) -> Iterator[None]:
+    """Every thread of this process on ``cpus`` (``None``: as it is) while the block runs."""
+    if cpus is None:
+        yield
+        return
+    before = frozenset(os.sched_getaffinity(0))
+    pin_process(cpus)
+    try:
+        yield
+    finally:
+        pin_process(before)
 
 
 def _front_door(api: str, grpc_url: str, model_dir: Path) -> AbstractContextManager[Any]:

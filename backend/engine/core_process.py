@@ -53,13 +53,15 @@ class EngineCoreDied(RuntimeError):
 class EngineCoreProcess:
     """An ``LLMEngine`` in its own process (see the module docstring); not thread-safe, like the engine."""
 
-    def __init__(self, config: EngineConfig, bind_caller: bool = False) -> None:
+    def __init__(self, config: EngineConfig, bind_caller: bool = False,
+                 allowed_cpus: frozenset[int] | None = None) -> None:
         """``bind_caller``: also restrict this (the calling) process to the CPUs ``config.cpu_bind`` leaves
-        to the serving side; the Triton stub does, a library caller should not have its process pinned."""
+        to the serving side; the Triton stub does, a library caller should not have its process pinned.
+        ``allowed_cpus``: the CPUs to split (default: this process's affinity now)."""
         self.config = config
         self.restarts = 0
         # Captured before anything is pinned, so a restarted child splits the same CPUs.
-        self._allowed_cpus = frozenset(os.sched_getaffinity(0))
+        self._allowed_cpus = allowed_cpus or frozenset(os.sched_getaffinity(0))
         self._start()
         self.cpu_split: CpuSplit | None = self._info["cpu_split"]
         if bind_caller and self.cpu_split is not None and self.cpu_split.serving:

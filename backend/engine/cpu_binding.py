@@ -4,11 +4,11 @@ Served with ``engine_process`` (the default), the engine child shares the machin
 the Triton stub's threads (receiving requests, building and sending responses),
 tritonserver's gRPC/HTTP threads and often the load itself. Those threads wake up for
 every streamed token; left to the kernel's scheduler they land on the engine's cores
-and stall its step mid-GEMM. On the 2-core CPU host (tiny model, 64 streams, 1 torch
-thread), alternating ``pagedllm bench serving --concurrency 64 --requests-per-client 6
---cpu-bind off`` and ``--cpu-bind auto`` gave 2,634 and 2,898 tok/s off against 3,461 and
-3,228 auto (docs/results/RESULTS.md, "Serving"). vLLM's CPU backend binds its OpenMP threads for the
-same reason (``VLLM_CPU_OMP_THREADS_BIND``, with CPUs reserved for the frontend).
+and stall its step mid-GEMM. So the engine child binds CPUs of its own, the stub moves
+its threads to the rest, and so does tritonserver (:mod:`pagedllm.serving.server_placement`);
+docs/results/RESULTS.md, "Serving", has the side-by-side ``--cpu-bind off`` / ``auto`` runs
+of ``pagedllm bench serving``. vLLM's CPU backend binds its OpenMP threads for the same
+reason (``VLLM_CPU_OMP_THREADS_BIND``, with CPUs reserved for the frontend).
 
 ``cpu_bind`` (an engine argument) is one of:
 
@@ -87,10 +87,11 @@ def split_cpus(setting: str, allowed: Iterable[int], engine_threads: int,
     return CpuSplit(engine, allowed - engine, explicit=True)
 
 
-def pin_process(cpus: frozenset[int]) -> None:
-    """Restrict every thread of this process to ``cpus`` (threads started later inherit it)."""
-    # sched_setaffinity(0) covers only the calling thread; the others are named by their task ids.
-    for task in os.listdir("/proc/self/task"):
+def pin_process(cpus: frozenset[int], pid: int | None = None) -> None:
+    """Restrict every thread of process ``pid`` (default: this one) to ``cpus``; threads it starts
+    later inherit it."""
+    # sched_setaffinity(pid) covers only that thread; the others are named by their task ids.
+    for task in os.listdir(f"/proc/{pid or 'self'}/task"):
         try:
             os.sched_setaffinity(int(task), cpus)
         except ProcessLookupError:  # the thread ended meanwhile

@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import IO
 
 from pagedllm.serving.backend_dir import assemble_backend_dir
+from pagedllm.serving.server_placement import forget_server
 from pagedllm.serving.stub_env import stub_env_dir
 from pagedllm.serving.triton_files import find_triton_files, interpreter_library_dir
 
@@ -360,6 +361,7 @@ class TritonServer:
                     self.kill()
                     process.wait()
             _reap_stubs(process.pid)
+            forget_server(process.pid)
             self._group = None
         if self._log_file is not None:
             self._log_file.close()
