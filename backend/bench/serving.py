@@ -40,12 +40,16 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_PBTXT = REPO_ROOT / "model_repository" / MODEL_NAME / "config.pbtxt"
 LOAD_CLIENT = REPO_ROOT / "client_examples" / "load_client.py"
 OPENAI_LOAD_CLIENT = REPO_ROOT / "client_examples" / "openai_load_client.py"
+ROUND_SEED_STRIDE = 100_000  # far from the OpenAI rounds' seed + 1000 k: no round replays another's prompts
 THROUGHPUT_TARGET = 0.9  # serving >= 90% of in-process tokens/s at the highest concurrency
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", default="1,8,32,64", help="comma-separated closed-loop client counts")
-    parser.add_argument("--requests-per-client", type=int, default=2, help="requests = max(16, this x concurrency)")
+    parser.add_argument("--requests-per-client", type=int, default=6, help="requests = max(16, this x concurrency)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="serving / in-process pairs per concurrency, each with its own requests; the ratio is "
+                             "over their sums (one round moves with the host's noise)")
     parser.add_argument("--prompt-words", type=int, default=32)
     parser.add_argument("--output-tokens", type=int, default=64, help="mean max_tokens (uniform +-50%%)")
     parser.add_argument("--max-model-len", type=int, default=512)
@@ -71,8 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     from pagedllm.serving.server import TritonServer
 
-    if args.openai_rounds < 1:
-        raise SystemExit(f"--openai-rounds must be >= 1, got {args.openai_rounds}")
+    if args.openai_rounds < 1 or args.rounds < 1:
+        raise SystemExit(f"--rounds and --openai-rounds must be >= 1, got {args.rounds} and {args.openai_rounds}")
     if args.soak is not None:
         from pagedllm.bench.serving_soak import run_soak
 
@@ -112,7 +116,7 @@ def run(args: argparse.Namespace) -> None:
                 rows.append({"concurrency": level, "requests": count, "failure": "not run: the server had exited"})
                 continue
             rows.append(_measure(client, server.grpc_url, engine_args, level, count, words, tokens, args.seed + level,
-                                 client_cpus))
+                                 client_cpus, 1 if args.tiny else args.rounds))
             if door is not None and "failure" not in rows[-1]:
                 with _running_on(client_cpus):
                     rows[-1].update(_measure_openai(client, server.grpc_url, door.base_url, level, count, words,
@@ -121,8 +125,8 @@ def run(args: argparse.Namespace) -> None:
                 log_tail = server.log_tail(6000)
     print(f"## tiny model, prompts ~{words} words, max_tokens ~{tokens} (uniform ±50%, ignore_eos), greedy\n")
     print(report.markdown_table(
-        ("concurrency", "requests", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms", "serving tok/s",
-         "in-process tok/s", "serving / in-process"),
+        ("concurrency", "requests x rounds", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms", "serving tok/s",
+         "in-process tok/s", "serving / in-process", "per round"),
         [_table_row(r) for r in rows]))
     if door is not None:
         _print_openai_table(rows)
@@ -149,23 +153,35 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _measure(client: ModuleType, url: str, engine_args: dict[str, Any], level: int, count: int, words: int,
-             tokens: int, seed: int, client_cpus: frozenset[int] | None) -> dict[str, Any]:
-    """One concurrency level: the load client's summary (run on ``client_cpus``), then the in-process
-    replay of the same requests."""
-    with _running_on(client_cpus):
-        load = client.run_load(url, MODEL_NAME, concurrency=level, num_requests=count, prompt_words=words,
-                               prompt_dist="uniform", output_tokens=tokens, output_dist="uniform", seed=seed)
-    summary = load.summary()
-    if summary["errors"]:
-        first = next(r.error for r in load.records if r.error)
-        return {"concurrency": level, "requests": count, "errors": summary["errors"],
-                "failure": f"{summary['errors']} of {count} requests failed: {first}"}
-    prompts, max_tokens = same_requests(client, count, words, tokens, seed)
-    if [r.max_tokens for r in load.records] != max_tokens:
-        raise RuntimeError("the in-process replay drew different requests than the load client")
-    offline = in_process(engine_args, prompts, max_tokens, level, seed)
-    return {**summary, "in_process_s": offline["seconds"], "in_process_tokens_per_s": offline["tokens_per_s"],
-            "serving_over_in_process": summary["output_tokens_per_s"] / offline["tokens_per_s"]}
+             tokens: int, seed: int, client_cpus: frozenset[int] | None, rounds: int) -> dict[str, Any]:
+    """One concurrency level: ``rounds`` pairs of a load client run (on ``client_cpus``) and the in-process
+    replay of the same requests. Each round draws its own requests, so no round reuses another's
+    prefix-cache blocks on the server; the ratio is over the rounds' sums."""
+    loads, offline = [], []
+    for round_index in range(rounds):
+        round_seed = seed + ROUND_SEED_STRIDE * round_index
+        with _running_on(client_cpus):
+            load = client.run_load(url, MODEL_NAME, concurrency=level, num_requests=count, prompt_words=words,
+                                   prompt_dist="uniform", output_tokens=tokens, output_dist="uniform",
+                                   seed=round_seed)
+        errors = load.summary()["errors"]
+        if errors:
+            first = next(r.error for r in load.records if r.error)
+            return {"concurrency": level, "requests": count, "errors": errors,
+                    "failure": f"{errors} of {count} requests failed: {first}"}
+        prompts, max_tokens = same_requests(client, count, words, tokens, round_seed)
+        if [r.max_tokens for r in load.records] != max_tokens:
+            raise RuntimeError("the in-process replay drew different requests than the load client")
+        loads.append(load)
+        offline.append(in_process(engine_args, prompts, max_tokens, level, round_seed))
+    summary = client.LoadReport(level, tuple(r for load in loads for r in load.records),
+                                sum(load.wall_s for load in loads)).summary()
+    in_process_tokens_per_s = sum(o["tokens"] for o in offline) / sum(o["seconds"] for o in offline)
+    return {**summary, "rounds": rounds, "in_process_s": sum(o["seconds"] for o in offline),
+            "in_process_tokens_per_s": in_process_tokens_per_s,
+            "serving_over_in_process": summary["output_tokens_per_s"] / in_process_tokens_per_s,
+            "round_ratios": [load.summary()["output_tokens_per_s"] / o["tokens_per_s"]
+                             for load, o in zip(loads, offline)]}
 
 
 @contextmanager
@@ -226,7 +242,7 @@ def _print_openai_table(rows: list[dict[str, Any]]) -> None:
     print(report.markdown_table(
         ("concurrency", "requests x rounds", "errors", "gRPC tok/s", "OpenAI tok/s", "OpenAI / gRPC",
          "per round", "OpenAI TTFT p50/p90/p99 ms"),
-        [[r["concurrency"], f"{r['requests']} x {r.get('openai_rounds', '–')}",
+        [[r["concurrency"], f"{r['requests'] // r.get('rounds', 1)} x {r.get('openai_rounds', '–')}",
           r.get("openai_errors", 0) + r.get("openai_grpc_errors", 0), r.get("openai_grpc_output_tokens_per_s", "–"),
           r.get("openai_output_tokens_per_s", "–"),
           f"{100 * r['openai_over_grpc']:.0f}%" if "openai_over_grpc" in r else r.get("openai_failure", "–"),
@@ -236,9 +252,10 @@ def _print_openai_table(rows: list[dict[str, Any]]) -> None:
 
 def _table_row(row: dict[str, Any]) -> list[Any]:
     if "failure" in row:
-        return [row["concurrency"], row["requests"], f"FAILED: {row['failure'][:120]}", "–", "–", "–", "–"]
-    return [row["concurrency"], row["requests"], _ms(row["ttft_s"]), _ms(row["itl_s"]), row["output_tokens_per_s"],
-            row["in_process_tokens_per_s"], f"{100 * row['serving_over_in_process']:.0f}%"]
+        return [row["concurrency"], row["requests"], f"FAILED: {row['failure'][:120]}", "–", "–", "–", "–", "–"]
+    return [row["concurrency"], f"{row['requests'] // row['rounds']} x {row['rounds']}", _ms(row["ttft_s"]),
+            _ms(row["itl_s"]), row["output_tokens_per_s"], row["in_process_tokens_per_s"],
+            f"{100 * row['serving_over_in_process']:.0f}%", " ".join(f"{100 * x:.0f}%" for x in row["round_ratios"])]
 
 
 def load_client_module(path: Path, name: str = "pagedllm_load_client") -> ModuleType:
@@ -283,7 +300,7 @@ def in_process(engine_args: dict[str, Any], prompts: list[str], max_tokens: list
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     produced = sum(len(o.token_ids) for out in outputs for o in out.outputs)
-    return {"seconds": seconds, "tokens_per_s": produced / seconds}
+    return {"seconds": seconds, "tokens": produced, "tokens_per_s": produced / seconds}
 
 
 def _ms(stats: dict[str, float | None]) -> str:
