@@ -31,7 +31,7 @@ openai = pytest.importorskip("openai")
 from transformers import AutoTokenizer, PreTrainedTokenizerBase  # noqa: E402
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
-from pagedllm.serving.server import free_port  # noqa: E402
+from pagedllm.serving.server import child_pids, free_port  # noqa: E402
 from pagedllm.testing.hub_cache import add_to_hub_cache  # noqa: E402
 
 pytestmark = pytest.mark.tritonserver
@@ -68,7 +68,8 @@ def serve(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     hf_home = checkpoint.parents[3]
     tmpdir = tmp_path_factory.mktemp("serve-tmp")
     grpc, http, metrics, port = free_port(), free_port(), free_port(), free_port()
-    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmpdir)}
+    # One torch thread, as in these tests' offline runs; it also leaves cpu_bind auto a CPU to bind on CI's two.
+    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmpdir), "OMP_NUM_THREADS": "1"}
     env.pop("HF_HUB_CACHE", None)
     command = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", REPO_ID, "--served-model-name", SERVED_NAME,
                "--engine-arg", "dtype=float32", "--engine-arg", "device=cpu", "--engine-arg", "num_kv_blocks=160",
@@ -122,6 +123,16 @@ def metric(metrics_url: str, name: str) -> float:
 def test_models_lists_the_served_name(client: openai.OpenAI, serve: Serve) -> None:
     assert [model.id for model in client.models.list()] == [SERVED_NAME]
     assert requests.get(serve.openai_url.removesuffix("/v1") + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="cpu_bind binds nothing on one CPU")
+def test_the_front_door_runs_on_the_serving_cpus_off_the_engines(serve: Serve) -> None:
+    [server] = [pid for pid in child_pids(serve.process.pid)
+                if Path(f"/proc/{pid}/exe").resolve().name == "tritonserver"]
+    serving = frozenset(os.sched_getaffinity(server))
+    assert serving < frozenset(os.sched_getaffinity(0))  # cpu_bind auto moved tritonserver off the engine's CPU
+    for task in os.listdir(f"/proc/{serve.process.pid}/task"):
+        assert frozenset(os.sched_getaffinity(int(task))) == serving
 
 
 def test_chat_matches_offline_generation_and_counts_usage(client: openai.OpenAI, tokenizer, offline: LLM) -> None:

@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> None:
                 rows.append({"concurrency": level, "requests": count, "failure": "not run: the server had exited"})
                 continue
             rows.append(_measure(client, server.grpc_url, engine_args, level, count, words, tokens, args.seed + level,
-                                 client_cpus, 1 if args.tiny else args.rounds))
+                                 client_cpus, args.rounds))
             if door is not None and "failure" not in rows[-1]:
                 with _running_on(client_cpus):
                     rows[-1].update(_measure_openai(client, server.grpc_url, door.base_url, level, count, words,

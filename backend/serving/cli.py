@@ -19,6 +19,7 @@ from pagedllm.serving.health import HealthServer
 from pagedllm.serving.engine_args import load_engine_config
 from pagedllm.serving.request_codec import INPUT_SPECS, OUTPUT_SPECS
 from pagedllm.serving.server import TritonServer
+from pagedllm.serving.server_placement import run_beside
 from pagedllm.serving.supervision import DIR_VARIABLE
 from pagedllm.serving.supervisor import DEFAULT_MAX_RELOADS, Supervisor, SupervisorGaveUp
 
@@ -140,6 +141,8 @@ def _serve(args: argparse.Namespace, scratch: Path | None, supervision: Path) ->
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous_term)
+    if openai_models is not None and server.pid is not None:
+        run_beside(server.pid)
     try:
         openai_server = _start_openai(args, server, openai_models) if openai_models is not None else None
     except BaseException as error:  # a port in use, or Ctrl-C: tritonserver must not outlive the launcher

@@ -93,6 +93,16 @@ class TritonServerThreads:
             record.write(",".join(map(str, sorted(self.cpus))))
 
 
+def run_beside(server_pid: int) -> None:
+    """Move this process's threads to the CPUs tritonserver ``server_pid`` runs on now. Once a bound model
+    has loaded those are the serving CPUs, so a front door in this process (``pagedllm serve``'s OpenAI
+    server, a per-token Python loop) stays off the engine's as well; unbound, it changes nothing."""
+    try:
+        pin_process(frozenset(os.sched_getaffinity(server_pid)))
+    except OSError as error:
+        log.warning("could not move to tritonserver's CPUs: %s", error)
+
+
 def forget_server(pid: int) -> None:
     """Remove what stubs recorded about the exited server ``pid`` (one killed before its models unloaded)."""
     for record in Path(tempfile.gettempdir()).glob(f"{RECORD_PREFIX}{pid}-*.cpus"):
