@@ -12,7 +12,10 @@ So when the engine binds, every thread of the stub's parent tritonserver is rest
 to the serving CPUs (threads it starts later inherit that), and ``release`` gives them
 back the server's CPUs when the model unloads. Other models served by the same
 tritonserver share the serving CPUs meanwhile: with ``cpu_bind`` set, the engine owns
-its CPUs (``cpu_bind: "off"`` leaves all placement to the kernel).
+its CPUs (``cpu_bind: "off"`` leaves all placement to the kernel). With several bound
+models in one server (each given its own CPU list), the first to unload gives the
+server all its CPUs back; the others' engines stay bound, only the server's threads
+may then share their CPUs again.
 
 A stub that Triton restarts after a crash inherits the moved threads' affinity, not the
 server's. The server's own CPUs are therefore recorded, the first time a stub moves
