@@ -90,3 +90,22 @@ def test_the_supervisor_gives_up_after_max_reloads_failures_in_a_row_naming_the_
 def test_max_reloads_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_reloads"):
         Supervisor(DeadServer(), tmp_path, max_reloads=0)  # type: ignore[arg-type]
+
+
+def test_a_reload_waits_until_triton_has_taken_up_the_models_own_unload(tmp_path: Path) -> None:
+    """``pb_utils.unload_model`` returns before Triton acts on it; a load sent while the model still
+    reads READY would be a no-op, and the unload landing after it would leave the model unloaded."""
+    server = DeadServer()
+    reports: list[str] = []
+    supervisor = Supervisor(server, tmp_path, max_reloads=5, report=reports.append)  # type: ignore[arg-type]
+    states = iter(["READY", "READY", "UNLOADING"])
+    asked: list[str] = []
+
+    def model_state(model: str) -> str | None:
+        asked.append(model)
+        return next(states)
+
+    supervisor._model_state = model_state  # type: ignore[method-assign]
+    supervisor._reload("llm", "engine loop died: boom")
+    assert asked == ["llm"] * 3  # polled until the unload showed, then loaded (refused by the dead server)
+    assert reports[-1].startswith("pagedllm: reloading model 'llm' failed")

@@ -25,6 +25,7 @@ naming the last failure; one attempt is bounded by ``reload_timeout_s``.
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from pagedllm.serving.supervision import SupervisionFolder
 
 DEFAULT_MAX_RELOADS = 3
 DEFAULT_RELOAD_TIMEOUT_S = 300.0
+UNLOAD_START_TIMEOUT_S = 10.0
 
 
 class SupervisorGaveUp(RuntimeError):
@@ -98,6 +100,7 @@ class Supervisor:
         # that happens, which is not a death to act on.
         retiring = frozenset(pid for pid, name in self._stubs.items() if name == model)
         self._count_restart(model, cause, f"reloading model {model!r}")
+        self._wait_for_unload(model)
         url = f"http://{self._server.http_url}/v2/repository/models/{model}/load"
         try:
             with urllib.request.urlopen(urllib.request.Request(url, data=b"{}", method="POST"),
@@ -112,6 +115,15 @@ class Supervisor:
             self._folder.record_death(model, cause)
             return
         self._succeeded(retiring)
+
+    def _wait_for_unload(self, model: str) -> None:
+        """Until Triton has taken up the unload the dying model asked for (``pb_utils.unload_model``
+        returns before Triton acts on it), at most ``UNLOAD_START_TIMEOUT_S``: a load that reached
+        Triton first would find the model still ready and do nothing, and the unload that followed
+        would leave it unloaded for good."""
+        deadline = time.monotonic() + UNLOAD_START_TIMEOUT_S
+        while self._model_state(model) == "READY" and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def _count_restart(self, model: str | None, cause: str, action: str) -> None:
         models = [model] if model is not None else sorted(set(self._stubs.values()))
