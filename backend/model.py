@@ -114,19 +114,11 @@ class TritonPythonModel:
         self._logger.log_info(f"[pagedllm] starting engine with {engine_config}")
         self._model_name = args["model_name"]
         # The stub's threads and tritonserver's move off the CPUs the engine child binds (engine.cpu_binding,
-        # serving.server_placement).
-        self._server_threads: TritonServerThreads | None = None
-        self._engine: EngineCoreProcess | LLMEngine
-        if engine_config.engine_process:
-            server = TritonServerThreads.parent()
-            self._engine = EngineCoreProcess(engine_config, bind_caller=True,
-                                             allowed_cpus=server.cpus if server is not None else None)
-            split = self._engine.cpu_split
-            if server is not None and split is not None and split.serving:
-                server.confine(split.serving)
-                self._server_threads = server
-        else:
-            self._engine = LLMEngine(engine_config)
+        # serving.server_placement); tritonserver's only at the end, as nothing gives them back if this fails.
+        server = TritonServerThreads.parent() if engine_config.engine_process else None
+        self._engine = (EngineCoreProcess(engine_config, bind_caller=True,
+                                          allowed_cpus=server.cpus if server is not None else None)
+                        if engine_config.engine_process else LLMEngine(engine_config))
         self._supervision = SupervisionFolder.from_environment()
         if self._supervision is not None:
             self._engine.step = self._supervision.with_fault_hook(self._model_name, self._engine.step)
@@ -142,6 +134,11 @@ class TritonPythonModel:
         self._loop = EngineLoop(self._engine, on_step=on_step, on_death=self._on_engine_death).start()
         if not stop_signal.watch(self._stop_serving):
             self._logger.log_warn("[pagedllm] not on a backend stub's main thread: SIGTERM will not end requests early")
+        split = self._engine.cpu_split if isinstance(self._engine, EngineCoreProcess) else None
+        self._server_threads: TritonServerThreads | None = None
+        if server is not None and split is not None and split.serving:
+            server.confine(split.serving)
+            self._server_threads = server
         self._logger.log_info(f"[pagedllm] ready: max_model_len={self._engine.max_model_len}, "
                               f"{self._engine.stats().num_blocks_total} KV blocks of {engine_config.block_size}")
 

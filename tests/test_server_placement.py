@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -98,3 +99,40 @@ def test_a_bound_model_moves_tritonservers_threads_and_unloading_it_gives_them_b
             time.sleep(0.2)
         assert set(thread_cpus(pid)) == {ALLOWED}
         assert not list(Path(tempfile.gettempdir()).glob(f"pagedllm-tritonserver-{pid}-*"))
+
+
+# A stand-in server whose "stub" child runs an engine core (a process with the engine child's command line).
+ENGINE = f"{CHILD_MARKER}; import os, time; print(os.getpid(), flush=True); time.sleep(60)"
+SPAWN = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', sys.argv[1], *sys.argv[2:]]); time.sleep(60)"
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_a_server_stays_confined_while_another_engine_core_runs_under_it() -> None:
+    """A reload loads the new instance beside the old one; the old one's finalize must not unbind the new one's
+    server."""
+    server_process = subprocess.Popen([sys.executable, "-c", SPAWN, SPAWN, ENGINE], stdout=subprocess.PIPE,
+                                      text=True, start_new_session=True)
+    try:
+        assert server_process.stdout is not None
+        engine = int(server_process.stdout.readline())
+        serving = frozenset({min(ALLOWED)})
+        server = TritonServerThreads.of(server_process.pid)
+        server.confine(serving)
+        server.release()  # the other instance's engine core still runs
+        assert set(thread_cpus(server_process.pid)) == {serving} and server.record.exists()
+        os.kill(engine, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while _cmdline(engine) and time.monotonic() < deadline:  # empty once gone, or a zombie nobody reaps here
+            time.sleep(0.1)
+        server.release()
+        assert set(thread_cpus(server_process.pid)) == {ALLOWED} and not server.record.exists()
+    finally:
+        os.killpg(server_process.pid, signal.SIGKILL)
+        server_process.wait()
+        forget_server(server_process.pid)

@@ -99,9 +99,9 @@ def run(args: argparse.Namespace) -> None:
     print(report.header("pagedllm bench serving", info))
     split = split_cpus(args.cpu_bind, os.sched_getaffinity(0), args.threads) if args.engine_process else None
     client_cpus = split.serving if split is not None and split.serving else None
-    print(f"cpu_bind={args.cpu_bind}: " + (f"engine on CPUs {sorted(split.engine)}, serving side and load client on "
-                                          f"{sorted(client_cpus)}" if split is not None and client_cpus else
-                                          "nothing bound") + "\n")
+    placement = (f"engine on CPUs {sorted(split.engine)}, serving side and load client on {sorted(client_cpus)}"
+                 if split is not None and client_cpus else "nothing bound")
+    print(f"cpu_bind={args.cpu_bind}: {placement}\n")
     rows: list[dict[str, Any]] = []
     scratch = tempfile.TemporaryDirectory(prefix="pagedllm-bench-serving-")
     repository = write_model_repository(Path(scratch.name), engine_args)

@@ -61,7 +61,7 @@ class EngineCoreProcess:
         self.config = config
         self.restarts = 0
         # Captured before anything is pinned, so a restarted child splits the same CPUs.
-        self._allowed_cpus = allowed_cpus or frozenset(os.sched_getaffinity(0))
+        self._allowed_cpus = allowed_cpus if allowed_cpus is not None else frozenset(os.sched_getaffinity(0))
         self._start()
         self.cpu_split: CpuSplit | None = self._info["cpu_split"]
         if bind_caller and self.cpu_split is not None and self.cpu_split.serving:

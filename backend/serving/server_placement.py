@@ -10,12 +10,11 @@ side-by-side numbers with and without this move.
 
 So when the engine binds, every thread of the stub's parent tritonserver is restricted
 to the serving CPUs (threads it starts later inherit that), and ``release`` gives them
-back the server's CPUs when the model unloads. Other models served by the same
-tritonserver share the serving CPUs meanwhile: with ``cpu_bind`` set, the engine owns
-its CPUs (``cpu_bind: "off"`` leaves all placement to the kernel). With several bound
-models in one server (each given its own CPU list), the first to unload gives the
-server all its CPUs back; the others' engines stay bound, only the server's threads
-may then share their CPUs again.
+back the server's CPUs when the model unloads, unless another engine core still runs
+under the server: a reload loads the new instance beside the old one, whose ``finalize``
+comes later, and it must not unbind the new one's server. Other models served by the
+same tritonserver share the serving CPUs meanwhile: with ``cpu_bind`` set, the engine
+owns its CPUs (``cpu_bind: "off"`` leaves all placement to the kernel).
 
 A stub that Triton restarts after a crash inherits the moved threads' affinity, not the
 server's. The server's own CPUs are therefore recorded, the first time a stub moves
@@ -36,8 +35,6 @@ from pagedllm.engine.cpu_binding import parse_cpu_list, pin_process
 log = logging.getLogger(__name__)
 
 SERVER_EXECUTABLE = "tritonserver"
-
-
 RECORD_PREFIX = "pagedllm-tritonserver-"
 
 
@@ -79,7 +76,10 @@ class TritonServerThreads:
         log.info("tritonserver's threads moved to CPUs %s, off the engine core's", sorted(cpus))
 
     def release(self) -> None:
-        """Give every thread of the server its CPUs back."""
+        """Give every thread of the server its CPUs back, once no engine core runs under it (call it after
+        this stub's own engine core has stopped)."""
+        if _engine_cores_under(self.pid):
+            return
         try:
             pin_process(self.cpus, self.pid)
             self.record.unlink(missing_ok=True)
@@ -110,6 +110,28 @@ def forget_server(pid: int) -> None:
     """Remove what stubs recorded about the exited server ``pid`` (one killed before its models unloaded)."""
     for record in Path(tempfile.gettempdir()).glob(f"{RECORD_PREFIX}{pid}-*.cpus"):
         record.unlink(missing_ok=True)
+
+
+def _engine_cores_under(server_pid: int) -> int:
+    """Engine core processes whose stub (their parent) is a child of ``server_pid``."""
+    # Here, not at the top: the launcher imports this module and must not pull in torch and transformers.
+    from pagedllm.engine.core_process import CHILD_MARKER
+
+    count = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                if CHILD_MARKER.encode() not in cmdline.read():
+                    continue
+            count += _parent(_parent(int(pid))) == server_pid
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return count
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
 
 
 def _start_time(pid: int) -> str:
