@@ -2,7 +2,9 @@
 killed child fails only the requests in flight; the next request gets a fresh engine."""
 from __future__ import annotations
 
+import dataclasses
 import os
+import pickle
 import signal
 import threading
 from collections.abc import Callable
@@ -13,9 +15,10 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core_process import EngineCoreProcess
+from pagedllm.engine.core_wire import decode_outputs, encode_outputs
 from pagedllm.engine.engine_contract import FailureKind
 from pagedllm.engine.engine_loop import EngineLoop
-from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Tree:"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -84,3 +87,14 @@ def test_child_engine_serves_exact_tokens_and_recovers_from_being_killed(config:
         loop.stop()
         core.close()
     assert core._process.poll() is not None, "the child outlived close()"
+
+
+def test_every_field_of_a_step_output_crosses_the_pipe() -> None:
+    beam = CompletionDelta(1, " tree", (7, 8), -1.5, ({7: -0.5, 3: -1.0}, {8: -1.0}), "stop", -0.75)
+    outputs = [RequestOutput("a", None, (), (CompletionDelta(0, "x", (5,), None, None, None), beam), True),
+               RequestOutput("b", None, (), (), True, "the engine faulted on this request")]
+    prompts = {"a": ("class Tree:", (1, 2, 3))}
+
+    received = decode_outputs(pickle.loads(pickle.dumps(encode_outputs(outputs))), prompts)
+
+    assert received == [dataclasses.replace(outputs[0], prompt="class Tree:", prompt_token_ids=(1, 2, 3)), outputs[1]]

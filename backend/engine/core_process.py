@@ -36,6 +36,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from pagedllm.config import EngineConfig
 from pagedllm.engine.admission import AdmissionLimits, check_request, tokenize_prompt
 from pagedllm.engine.cpu_binding import CpuSplit, bind_engine, pin_process
+from pagedllm.engine.core_wire import decode_outputs, encode_outputs
 from pagedllm.engine.engine_contract import STALLED_RETRY_S, progress
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -95,7 +96,6 @@ class EngineCoreProcess:
         if isinstance(outcome, str):
             raise RuntimeError(outcome)
         for output in outcome:
-            output.prompt, output.prompt_token_ids = self._prompts.get(output.request_id, (None, ()))
             if output.finished:
                 self._in_flight.discard(output.request_id)
                 self._prompts.pop(output.request_id, None)
@@ -179,9 +179,9 @@ class EngineCoreProcess:
     def _keep(self, message: tuple[Any, ...]) -> None:
         if message[0] == "rejected":  # admitted here, refused there: ends like a request the engine failed
             _, request_id, error = message
-            self._steps.append([RequestOutput(request_id, None, (), (), True, error)])
+            self._steps.append(decode_outputs([(request_id, (), True, error)], self._prompts))
         elif message[0] == "step":
-            self._steps.append(message[1])
+            self._steps.append(decode_outputs(message[1], self._prompts))
             self._stats = message[2]
         elif message[0] == "step_failed":
             self._steps.append(message[1])
@@ -246,12 +246,7 @@ def child_main(fd: int) -> None:
             continue
         stats = engine.stats()
         stalled = not outputs and progress(stats) == before
-        conn.send(("step", [_without_prompt(output) for output in outputs], stats))
-
-
-def _without_prompt(output: RequestOutput) -> RequestOutput:
-    """The parent has the prompt: pickling it again every step was about a third of sending a step."""
-    return RequestOutput(output.request_id, None, (), output.outputs, output.finished, output.error)
+        conn.send(("step", encode_outputs(outputs), stats))
 
 
 def _add(engine: Any, request_id: str, prompt_ids: list[int], params: SamplingParams) -> str | None:
