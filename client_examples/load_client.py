@@ -18,7 +18,6 @@ import math
 import random
 import sys
 import time
-from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -120,9 +119,11 @@ def run_load(url: str, model: str, *, concurrency: int, num_requests: int, promp
     """Send ``num_requests`` streamed requests, ``concurrency`` at a time; never raises for server errors.
 
     The ``concurrency`` clients are coroutines on one event loop and one gRPC channel, each
-    streaming one request at a time: no thread per client or per request, and the responses
-    are read straight from the protobuf, so the client spends as little as it can of a machine
-    it may share with the server.
+    with one bidirectional stream that carries its requests one after another (as
+    tritonclient's ``start_stream`` does): no thread per client or per request, no stream
+    set up and torn down per request, and the responses are read straight from the
+    protobuf, so the client spends as little as it can of a machine it may share with the
+    server. ``timeout_s`` bounds each request.
     """
     if concurrency < 1 or num_requests < 1:
         raise ValueError("concurrency and num_requests must be >= 1")
@@ -137,10 +138,14 @@ def run_load(url: str, model: str, *, concurrency: int, num_requests: int, promp
     pending = iter(range(num_requests))
 
     async def one_client(stub: service_pb2_grpc.GRPCInferenceServiceStub, bar: tqdm) -> None:
-        for index in pending:
-            fields = await _one_request(stub, requests[index], timeout_s)
-            records[index] = RequestRecord(prompt_lengths[index], output_lengths[index], *fields)
-            bar.update(1)
+        stream = _ClientStream(stub)
+        try:
+            for index in pending:
+                fields = await stream.request(requests[index], timeout_s)
+                records[index] = RequestRecord(prompt_lengths[index], output_lengths[index], *fields)
+                bar.update(1)
+        finally:
+            stream.close()
 
     async def all_clients() -> None:
         async with grpc.aio.insecure_channel(url) as channel:
@@ -166,43 +171,58 @@ def _stream_request(model: str, request_id: str, prompt: str, sampling: dict[str
     return request
 
 
-async def _one_request(stub: service_pb2_grpc.GRPCInferenceServiceStub, request: service_pb2.ModelInferRequest,
-                       timeout_s: float) -> tuple[float, float | None, float, int, tuple[float, ...], str | None]:
-    """(start, first token, end, tokens, inter-token gaps, error) of one streamed request."""
-    done = asyncio.Event()
+class _ClientStream:
+    """One client's gRPC stream, reused request after request; replaced after a request that failed
+    (its stream may still carry that request's leftovers)."""
 
-    async def send() -> AsyncIterator[service_pb2.ModelInferRequest]:
-        yield request
-        await done.wait()  # half-closing the stream early could end it before the last response
+    def __init__(self, stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
+        self._stub = stub
+        self._call: grpc.aio.StreamStreamCall | None = None
 
-    start = time.perf_counter()
-    first, last, tokens, gaps, error = None, start, 0, [], None
-    call = stub.ModelStreamInfer(send(), timeout=timeout_s)
-    try:
-        async for response in call:
-            arrived = time.perf_counter()
-            if response.error_message:
-                error = response.error_message
-                break
-            infer = response.infer_response
-            count = _num_output_tokens(infer)
-            if count:
-                if first is None:
-                    first = arrived
-                else:
-                    gaps.extend([(arrived - last) / count] * count)
-                last = arrived
-                tokens += count
-            if infer.parameters["triton_final_response"].bool_param:
-                break
-        else:
-            error = "the stream ended before the final response"
-    except grpc.aio.AioRpcError as failure:  # report, keep loading
-        error = f"{failure.code().name}: {failure.details()}"
-    finally:
-        done.set()
-        call.cancel()
-    return start, first, time.perf_counter(), tokens, tuple(gaps), error
+    async def request(self, request: service_pb2.ModelInferRequest,
+                      timeout_s: float) -> tuple[float, float | None, float, int, tuple[float, ...], str | None]:
+        """(start, first token, end, tokens, inter-token gaps, error) of one streamed request."""
+        start = time.perf_counter()
+        first, last, tokens, gaps, error = None, start, 0, [], None
+        try:
+            async with asyncio.timeout(timeout_s):
+                if self._call is None:
+                    self._call = self._stub.ModelStreamInfer()
+                await self._call.write(request)
+                while True:
+                    response = await self._call.read()
+                    arrived = time.perf_counter()
+                    if response is grpc.aio.EOF:
+                        error = "the stream ended before the final response"
+                        break
+                    infer = response.infer_response
+                    if infer.id != request.id:  # Triton echoes the id, errors included; skip anything else
+                        continue
+                    if response.error_message:
+                        error = response.error_message
+                        break
+                    count = _num_output_tokens(infer)
+                    if count:
+                        if first is None:
+                            first = arrived
+                        else:
+                            gaps.extend([(arrived - last) / count] * count)
+                        last = arrived
+                        tokens += count
+                    if infer.parameters["triton_final_response"].bool_param:
+                        break
+        except grpc.aio.AioRpcError as failure:  # report, keep loading
+            error = f"{failure.code().name}: {failure.details()}"
+        except TimeoutError:
+            error = f"no final response within {timeout_s:g} s"
+        if error is not None:
+            self.close()
+        return start, first, time.perf_counter(), tokens, tuple(gaps), error
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
 
 
 def _num_output_tokens(response: service_pb2.ModelInferResponse) -> int:

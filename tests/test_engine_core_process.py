@@ -83,6 +83,15 @@ def test_child_engine_serves_exact_tokens_and_recovers_from_being_killed(config:
         assert again.done.wait(300)
         assert again.error is None and again.text == expected[1]
         assert core.restarts == 1
+
+        # Nothing in flight: the child computes no step, and only the interrupt ends the wait.
+        loop.stop()
+        returned: list[list[RequestOutput]] = []
+        core.interrupt()
+        waiting = threading.Thread(target=lambda: returned.append(core.step()), daemon=True)
+        waiting.start()
+        waiting.join(60)
+        assert returned == [[]]
     finally:
         loop.stop()
         core.close()

@@ -451,3 +451,42 @@ def test_a_request_past_its_timeout_on_the_loop_clock_is_aborted_and_fails_with_
         assert unbounded.done.wait(5) and unbounded.errors == []
     finally:
         loop.stop()
+
+
+class WaitingEngine(FakeEngine):
+    """Like ``EngineCoreProcess``: ``step`` waits for a step computed elsewhere (here: until released), and
+    returns ``[]`` early when interrupted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released = threading.Event()
+        self.interrupted = threading.Event()
+
+    def interrupt(self) -> None:
+        self.interrupted.set()
+
+    def clear_interrupt(self) -> None:
+        self.interrupted.clear()
+
+    def step(self) -> list[RequestOutput]:
+        while not self.released.is_set():
+            if self.interrupted.is_set():
+                return []
+            time.sleep(0.001)
+        return super().step()
+
+
+def test_a_request_reaches_an_interruptible_engine_while_its_step_is_still_waiting() -> None:
+    engine = WaitingEngine()
+    loop = EngineLoop(engine).start()
+    try:
+        loop.submit("first", "a", SamplingParams(max_tokens=2), lambda output: None)
+        # The loop now waits in step() for a step that is never released; the second request is
+        # admitted anyway (submit returns once the engine has accepted it).
+        second = loop.submit_nowait("second", "b", SamplingParams(max_tokens=2), lambda output: None)
+        second.result(timeout=30)
+        assert set(engine.active) == {"first", "second"}
+        assert not engine.released.is_set()
+    finally:
+        engine.released.set()
+        loop.stop()

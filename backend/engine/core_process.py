@@ -6,7 +6,8 @@ Triton's own threads would otherwise share one GIL. Here the child owns the
 (text deltas already detokenized) and stats through a pipe; the parent's
 ``EngineCoreProcess`` forwards ``add_request`` / ``abort_request`` and hands
 the outputs to the loop one step at a time, sleeping in ``recv`` (GIL released)
-in between.
+in between; the loop interrupts that sleep when it has a request to pass on
+(``interrupt``), which the child reads before its next step.
 
 The parent admits requests itself (tokenizing and checking them against the engine's
 ``AdmissionLimits``, the same code ``LLMEngine.add_request`` runs) and sends the token
@@ -28,7 +29,7 @@ import socket
 import subprocess
 import sys
 from collections import deque
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -61,6 +62,10 @@ class EngineCoreProcess:
         ``allowed_cpus``: the CPUs to split (default: this process's affinity now)."""
         self.config = config
         self.restarts = 0
+        # The loop's doorbell (engine_contract.Interruptible): step() waits on the child and on this.
+        self._doorbell, self._ring = socket.socketpair()
+        self._doorbell.setblocking(False)
+        self._ring.setblocking(False)
         # Captured before anything is pinned, so a restarted child splits the same CPUs.
         self._allowed_cpus = allowed_cpus if allowed_cpus is not None else frozenset(os.sched_getaffinity(0))
         self._start()
@@ -89,8 +94,11 @@ class EngineCoreProcess:
             self._send(("abort", request_id))
 
     def step(self) -> list[RequestOutput]:
+        """The child's next step's outputs; ``[]`` at once if interrupted while none has arrived."""
         self._ensure_alive()
         while not self._steps:
+            if self._conn not in wait([self._conn, self._doorbell]):
+                return []
             self._keep(self._recv())
         outcome = self._steps.popleft()
         if isinstance(outcome, str):
@@ -107,6 +115,19 @@ class EngineCoreProcess:
     def stats(self) -> Any:
         return self._stats
 
+    def interrupt(self) -> None:
+        try:
+            self._ring.send(b"\0")
+        except OSError:  # full (step() returns anyway) or closed (nothing left to interrupt)
+            pass
+
+    def clear_interrupt(self) -> None:
+        try:
+            while self._doorbell.recv(4096):
+                pass
+        except OSError:  # drained (BlockingIOError) or closed
+            pass
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the child, killing it if it does not stop within ``timeout_s``."""
         if self._process.poll() is None:
@@ -120,6 +141,8 @@ class EngineCoreProcess:
                 self._process.kill()
                 self._process.wait(timeout_s)
         self._conn.close()
+        self._doorbell.close()
+        self._ring.close()
 
     # ---- parent side ----
 

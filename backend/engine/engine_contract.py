@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.request_timing import RequestTiming
@@ -55,6 +55,21 @@ class EngineLike(Protocol):
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> object: ...
+
+
+@runtime_checkable
+class Interruptible(Protocol):
+    """An engine whose ``step`` waits on something outside the loop (``EngineCoreProcess`` waits for its
+    child's next step): the loop interrupts that wait when it has commands, so a request reaches the
+    engine as it arrives rather than after the step in progress."""
+
+    def interrupt(self) -> None:
+        """Thread-safe: make the current or next ``step`` return ``[]`` at once if it would wait."""
+        ...
+
+    def clear_interrupt(self) -> None:
+        """Forget interrupts; the loop calls this as it takes the commands they were for."""
+        ...
 
 
 OnStep = Callable[[object, Sequence[RequestTiming]], None]

@@ -12,7 +12,10 @@ Liveness: the thread never spins. With no work it sleeps until a submission, an
 abort or ``stop``. With work that cannot move (a step that scheduled nothing: no
 outputs and no change in the engine's progress counters, see ``engine_contract.progress``) it
 sleeps the same way, waking every ``STALLED_RETRY_S`` only to read cancellation
-flags and retry once. A request whose ``SamplingParams.timeout`` has passed since
+flags and retry once. An engine whose ``step`` waits for work done elsewhere
+(``EngineCoreProcess`` waits for its child's next step) is interrupted whenever a
+command arrives (``engine_contract.Interruptible``), so a request reaches it as it
+arrives rather than after the step in flight. A request whose ``SamplingParams.timeout`` has passed since
 it arrived is aborted at the next step and ends with ``on_error(..., TIMEOUT)``.
 Failures: a request the engine ended alone (``RequestOutput.error``) fails only that request; a step that raises fails every
 in-flight request and the loop carries on; if the loop itself dies, ``healthy``
@@ -33,6 +36,7 @@ from pagedllm.engine.engine_contract import (
     EngineLike,
     EngineUnavailable,
     FailureKind,
+    Interruptible,
     IsCancelled,
     OnDeath,
     OnError,
@@ -86,6 +90,7 @@ class EngineLoop:
     def __init__(self, engine: EngineLike, *, on_step: OnStep | None = None, on_death: OnDeath | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
+        self._interruptible = engine if isinstance(engine, Interruptible) else None
         self._on_step = on_step
         self._on_death = on_death
         self._clock = clock
@@ -155,14 +160,14 @@ class EngineLoop:
             if reason is not None:
                 raise EngineUnavailable(reason)
             self._submissions.append(_Submission(tracked, prompt, verdict))
-            self._wakeup.notify()
+            self._notify()
         return verdict
 
     def abort(self, request_id: str) -> None:
         """Abort a request (a no-op once it has finished); its final output has finish_reason ``"abort"``."""
         with self._wakeup:
             self._aborts.append(request_id)
-            self._wakeup.notify()
+            self._notify()
 
     def stop(self, timeout_s: float = 30.0) -> bool:
         """Stop the thread; in-flight and queued requests end with an error (or ``"abort"``) callback.
@@ -172,7 +177,7 @@ class EngineLoop:
         """
         with self._wakeup:
             self._stopping = True
-            self._wakeup.notify()
+            self._notify()
         if self._thread is None:
             return True
         self._thread.join(timeout_s)
@@ -180,6 +185,12 @@ class EngineLoop:
             log.error("engine loop did not stop within %.1f s", timeout_s)
             return False
         return True
+
+    def _notify(self) -> None:
+        """With ``_wakeup`` held: new commands are queued."""
+        self._wakeup.notify()
+        if self._interruptible is not None:
+            self._interruptible.interrupt()
 
     # ---- loop thread ----
 
@@ -221,6 +232,9 @@ class EngineLoop:
                     return
                 self._admitting, self._submissions = self._submissions, []
                 aborts, self._aborts = self._aborts, []
+                if self._interruptible is not None:
+                    # Under the lock: any interrupt left after this is for a command queued after this take.
+                    self._interruptible.clear_interrupt()
             self._admit(self._admitting)
             self._admitting = []
             for request_id in aborts:
