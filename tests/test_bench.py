@@ -188,12 +188,12 @@ def test_serving_tiny_run_reports_latency_and_the_in_process_ratio(tmp_path: Pat
     pytest.importorskip("tritonclient.grpc")
     from pagedllm.bench import serving
 
-    serving.run(_args(serving, "--tiny", "--out", str(tmp_path)))
+    serving.run(_args(serving, "--tiny", "--rounds", "2", "--out", str(tmp_path)))
     rows = json.loads((tmp_path / "serving.json").read_text())["rows"]
     assert [row["concurrency"] for row in rows] == [1, 4]
     for row in rows:
         assert row["errors"] == 0
-        # Two rounds by default, each its own requests (4 per client under --tiny), the ratio over their sums.
+        # Two rounds, each its own requests (4 per client under --tiny), the ratio over their sums.
         assert row["rounds"] == 2 and len(row["round_ratios"]) == 2 and row["requests"] == 2 * 4 * row["concurrency"]
         assert min(row["round_ratios"]) <= row["serving_over_in_process"] <= max(row["round_ratios"])
         assert row["output_tokens"] > 0 and row["in_process_tokens_per_s"] > 0
