@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pagedllm.engine.engine_contract import (
     STALLED_RETRY_S,
@@ -45,7 +45,7 @@ from pagedllm.engine.engine_contract import (
     progress,
 )
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
-from pagedllm.engine.request_timing import RequestTiming
+from pagedllm.engine.request_timing import RequestTiming, TimingAccount
 from pagedllm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -59,13 +59,7 @@ class _Tracked:
     on_output: OnOutput
     on_error: OnError | None
     is_cancelled: IsCancelled | None
-    arrival: float
-    first_token: float | None = None
-    last_token: float | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_token_steps: int = 0
-    finish_reasons: dict[int, str | None] = field(default_factory=dict)
+    timing: TimingAccount
     abort_sent: bool = False
     timed_out: bool = False
 
@@ -153,7 +147,7 @@ class EngineLoop:
         every step; once it returns True the request is aborted. Raises
         ``EngineUnavailable`` when the loop does not take requests.
         """
-        tracked = _Tracked(request_id, params, on_output, on_error, is_cancelled, arrival=self._clock())
+        tracked = _Tracked(request_id, params, on_output, on_error, is_cancelled, TimingAccount(self._clock()))
         verdict: Future[None] = Future()
         with self._wakeup:
             reason = self.error
@@ -277,7 +271,7 @@ class EngineLoop:
         for tracked in list(self._in_flight.values()):
             if tracked.abort_sent:
                 continue
-            if tracked.params.timeout is not None and now - tracked.arrival >= tracked.params.timeout:
+            if tracked.params.timeout is not None and now - tracked.timing.arrival >= tracked.params.timeout:
                 tracked.timed_out = True
                 self._abort(tracked.request_id)
                 continue
@@ -306,10 +300,10 @@ class EngineLoop:
             tracked = self._in_flight.get(output.request_id)
             if tracked is None:
                 continue
-            self._account(tracked, output, now)
+            tracked.timing.record(output, now)
             if output.finished:
                 del self._in_flight[output.request_id]
-                finished.append(self._timing(tracked, now))
+                finished.append(tracked.timing.close(tracked.request_id, tracked.params.n, now))
             if output.error is not None:
                 self._fail(tracked, output.error, FailureKind.REQUEST, output)
             elif tracked.timed_out and output.finished:
@@ -319,22 +313,6 @@ class EngineLoop:
                 self._deliver(tracked, output)
         self._publish_stats(finished)
         return bool(outputs) or self._progress != before
-
-    def _account(self, tracked: _Tracked, output: RequestOutput, now: float) -> None:
-        tracked.num_prompt_tokens = len(output.prompt_token_ids)
-        new_tokens = sum(len(delta.token_ids) for delta in output.outputs)
-        if new_tokens:
-            tracked.first_token = tracked.first_token if tracked.first_token is not None else now
-            tracked.last_token = now
-            tracked.num_output_tokens += new_tokens
-            tracked.num_token_steps += 1
-        for delta in output.outputs:
-            tracked.finish_reasons[delta.index] = delta.finish_reason
-
-    def _timing(self, tracked: _Tracked, now: float) -> RequestTiming:
-        reasons = tuple(tracked.finish_reasons.get(i) for i in range(tracked.params.n))
-        return RequestTiming(tracked.request_id, tracked.arrival, tracked.first_token, tracked.last_token, now,
-                             tracked.num_prompt_tokens, tracked.num_output_tokens, tracked.num_token_steps, reasons)
 
     def _deliver(self, tracked: _Tracked, output: RequestOutput) -> None:
         try:
@@ -387,7 +365,7 @@ class EngineLoop:
             except Exception:
                 log.exception("engine.step failed while draining aborted requests")
                 break
-        self._publish_stats([self._timing(tracked, now) for tracked in failed])
+        self._publish_stats([tracked.timing.close(tracked.request_id, tracked.params.n, now) for tracked in failed])
 
     def _abandon(self, pending: list[_Submission], reason: str) -> None:
         """After the loop died: fail everything without touching the engine, whose state is suspect."""
@@ -400,5 +378,5 @@ class EngineLoop:
 
 def _abort_output(tracked: _Tracked) -> RequestOutput:
     deltas = tuple(CompletionDelta(i, "", (), 0.0, None, "abort") for i in range(tracked.params.n)
-                   if tracked.finish_reasons.get(i) is None)
+                   if tracked.timing.finish_reasons.get(i) is None)
     return RequestOutput(tracked.request_id, None, (), deltas, finished=True)

@@ -1,7 +1,9 @@
-"""Wall-clock milestones of one finished request, as the engine loop measured them (for metrics)."""
+"""Wall-clock milestones of one request, as the engine loop measures them step by step (for metrics)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from pagedllm.engine.outputs import RequestOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,3 +34,33 @@ class RequestTiming:
     @property
     def e2e_latency(self) -> float:
         return self.finished - self.arrival
+
+
+@dataclass(slots=True)
+class TimingAccount:
+    """What the loop has seen of one in-flight request so far; ``close`` turns it into a ``RequestTiming``."""
+
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_token_steps: int = 0
+    finish_reasons: dict[int, str | None] = field(default_factory=dict)  # by sample index
+
+    def record(self, output: RequestOutput, now: float) -> None:
+        """One step's output for the request, seen at ``now``."""
+        self.num_prompt_tokens = len(output.prompt_token_ids)
+        new_tokens = sum(len(delta.token_ids) for delta in output.outputs)
+        if new_tokens:
+            self.first_token = self.first_token if self.first_token is not None else now
+            self.last_token = now
+            self.num_output_tokens += new_tokens
+            self.num_token_steps += 1
+        for delta in output.outputs:
+            self.finish_reasons[delta.index] = delta.finish_reason
+
+    def close(self, request_id: str, num_samples: int, now: float) -> RequestTiming:
+        reasons = tuple(self.finish_reasons.get(i) for i in range(num_samples))
+        return RequestTiming(request_id, self.arrival, self.first_token, self.last_token, now,
+                             self.num_prompt_tokens, self.num_output_tokens, self.num_token_steps, reasons)
