@@ -130,11 +130,16 @@ def _engine_cores_under(server_pid: int) -> int:
 
 
 def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as stat:
-        return int(stat.read().rsplit(")", 1)[1].split()[1])
+    return int(_stat_field(pid, 4))
 
 
 def _start_time(pid: int) -> str:
-    """Field 22 of ``/proc/<pid>/stat``: with the pid, names one process for the life of the host."""
+    """With the pid, names one process for the life of the host."""
+    return _stat_field(pid, 22)
+
+
+def _stat_field(pid: int, number: int) -> str:
+    """Field ``number`` (1-based, as in proc(5)) of ``/proc/<pid>/stat``; split after the command name,
+    which may hold spaces and parentheses."""
     with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rsplit(")", 1)[1].split()[19]
+        return stat.read().rsplit(")", 1)[1].split()[number - 3]
