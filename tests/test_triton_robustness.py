@@ -5,7 +5,8 @@ A real tritonserver (from the nvidia-pytriton wheel) serves a tiny checkpoint wi
 below is sent on its own and must get an error naming the field while the good stream
 is still running, i.e. without queueing behind it (the requests that look odd but are
 valid must succeed, token-exact against offline). No wall-clock bound: CI machines
-stall for a second now and then. The good stream must then finish with exactly its
+stall for a second now and then, and a fast one may finish the good stream early: a
+fresh good stream then takes over. Every good stream must finish with exactly its
 offline tokens, and every KV block must be free again. ``pytest -s`` prints the table of requests and the errors they got.
 """
 from __future__ import annotations
@@ -174,17 +175,35 @@ def test_bad_requests_fail_alone_while_a_long_stream_runs(server: TritonServer, 
     expected = offline.generate([GOOD_PROMPT], SamplingParams(**good_params))[0].outputs[0]
     good_client = StreamClient(server.grpc_url)
     bad_client = StreamClient(server.grpc_url)
+    goods: list[StreamResult] = []
     rows: list[str] = []
     problems: list[str] = []
-    try:
-        good = good_client.send("good", make_inputs(GOOD_PROMPT, good_params, stream=True,
-                                                    return_num_output_tokens=True))
+
+    def running_good_stream() -> StreamResult:
+        # A fast machine may finish one good stream before the table is through; a fresh
+        # one then takes over, so "answered while a good stream ran" never hangs on speed.
+        if goods and not goods[-1].done.is_set():
+            return goods[-1]
+        good = good_client.send(f"good{len(goods)}", make_inputs(
+            GOOD_PROMPT, good_params, stream=True, return_num_output_tokens=True))
+        goods.append(good)
         deadline = time.monotonic() + 60
         while not good.texts:
             assert time.monotonic() < deadline and not good.done.is_set(), good.error
             time.sleep(0.05)
+        return good
+
+    try:
         for index, case in enumerate(CASES):
-            result, elapsed = _send(bad_client, f"bad{index}", case)
+            # A request queued behind the good stream is answered only after it finishes;
+            # one that finishes by chance meanwhile gets a second try beside a fresh stream.
+            for attempt in range(2):
+                good = running_good_stream()
+                result, elapsed = _send(bad_client, f"bad{index}-{attempt}", case)
+                if not good.done.is_set():
+                    break
+            else:
+                problems.append(f"{case.name}: answered only after the good stream had finished, twice")
             rows.append(f"| {case.name} | {elapsed:.2f} s | {result.error or 'OK: ' + repr(result.text()[:40])} |")
             if case.expect:
                 if result.error is None:
@@ -195,16 +214,15 @@ def test_bad_requests_fail_alone_while_a_long_stream_runs(server: TritonServer, 
                 problems.append(f"{case.name}: failed with {result.error!r}, expected success")
             elif isinstance(case.params, dict) and result.text() != _expected_text(offline, case):
                 problems.append(f"{case.name}: {result.text()!r} differs from offline")
-        still_running = not good.done.is_set()
-        assert good.done.wait(300), "the good stream did not finish"
+        assert all(good.done.wait(300) for good in goods), "a good stream did not finish"
     finally:
         good_client.close()
         bad_client.close()
-    print("\n| request | answered after | error |\n|---|---|---|\n" + "\n".join(rows))
-    assert still_running, "the good stream finished before the table was through: make it longer"
-    assert good.error is None, good.error
-    assert good.text() == expected.text
-    assert sum(int(a["num_output_tokens"].sum()) for a in good.arrays) == len(expected.token_ids) == GOOD_TOKENS
+    print(f"\n{len(goods)} good stream(s)\n| request | answered after | error |\n|---|---|---|\n" + "\n".join(rows))
+    for good in goods:
+        assert good.error is None, good.error
+        assert good.text() == expected.text
+        assert sum(int(a["num_output_tokens"].sum()) for a in good.arrays) == len(expected.token_ids) == GOOD_TOKENS
     assert not problems, "\n".join(problems)
     after = wait_for_metrics(server, lambda m: m.get("pagedllm:kv_blocks_used") == 0)
     assert after["pagedllm:kv_blocks_used"] == 0
