@@ -69,8 +69,8 @@ def test_deltas_never_split_a_character_and_concatenate_to_decode(byte_level: Pr
     assert any(REPLACEMENT in byte_level.decode([t]) for t in output)  # some character spans tokens
     detokenizer, updates = stream(byte_level, prompt, one_per_step(output))
     assert all(REPLACEMENT not in u.text for u in updates)
-    assert "".join(u.text for u in updates) + detokenizer.flush() == byte_level.decode(output)
-    assert detokenizer.output_text == continuation(byte_level, prompt, output)
+    emitted = "".join(u.text for u in updates) + detokenizer.flush()
+    assert emitted == byte_level.decode(output) == continuation(byte_level, prompt, output)
 
 
 def test_first_token_keeps_its_leading_space_after_the_prompt(metaspace: PreTrainedTokenizerFast) -> None:
@@ -105,7 +105,7 @@ def test_prompt_ending_inside_a_character_emits_it_whole(byte_level: PreTrainedT
     cut = next(k for k in range(1, len(ids)) if byte_level.decode(ids[:k]).endswith(REPLACEMENT))
     detokenizer, updates = stream(byte_level, ids[:cut], one_per_step(ids[cut:]))
     assert [u.text for u in updates if u.text][0] == "🙂"
-    assert detokenizer.output_text == "🙂 cd"
+    assert "".join(u.text for u in updates) + detokenizer.flush() == "🙂 cd"
 
 
 def test_sample_ending_inside_a_character_flushes_what_decode_gives(byte_level: PreTrainedTokenizerFast) -> None:
@@ -113,8 +113,7 @@ def test_sample_ending_inside_a_character_flushes_what_decode_gives(byte_level: 
     output = ids[:-1]
     detokenizer, updates = stream(byte_level, encode(byte_level, "hello"), one_per_step(output))
     assert "".join(u.text for u in updates) == " x"
-    assert detokenizer.flush() == byte_level.decode(output)[2:]
-    assert detokenizer.output_text == byte_level.decode(output)
+    assert " x" + detokenizer.flush() == byte_level.decode(output)
 
 
 @pytest.mark.parametrize("include", [False, True])
@@ -125,7 +124,6 @@ def test_stop_string_spanning_tokens_truncates(byte_level: PreTrainedTokenizerFa
     params = SamplingParams(stop=("zzz", stop), include_stop_str_in_output=include)
     detokenizer, updates = stream(byte_level, encode(byte_level, "hello"), one_per_step(output), params)
     expected = " the quick brown fo" if include else " the quick br"
-    assert detokenizer.output_text == expected
     assert updates[-1].stop_string == stop
     assert "".join(u.text for u in updates) == expected
     assert detokenizer.flush() == ""
@@ -139,20 +137,19 @@ def test_partial_stop_string_is_held_back_then_flushed(byte_level: PreTrainedTok
     assert all(u.stop_string is None for u in updates)
     emitted = "".join(u.text for u in updates)
     assert emitted == " the quick brown "  # "fox" could still become "fox!"
-    assert detokenizer.flush() == "fox"
-    assert detokenizer.output_text == byte_level.decode(output)
+    assert emitted + detokenizer.flush() == byte_level.decode(output)
 
 
 def test_earliest_stop_string_wins_and_min_tokens_defers_matching(byte_level: PreTrainedTokenizerFast) -> None:
     output = encode(byte_level, " the quick brown fox jumps over the lazy dog")
     params = SamplingParams(stop=("lazy", "quick", "brown"))
-    detokenizer, _ = stream(byte_level, [], [output], params)
-    assert detokenizer.output_text == " the "
+    detokenizer, updates = stream(byte_level, [], [output], params)
+    assert [u.text for u in updates] == [" the "] and detokenizer.flush() == ""
     # Matches that end within the first min_tokens tokens are ignored.
     before_brown = len(encode(byte_level, " the quick brown"))
     deferred = SamplingParams(stop=("quick", "lazy"), min_tokens=before_brown)
     detokenizer, updates = stream(byte_level, [], one_per_step(output), deferred)
-    assert detokenizer.output_text == " the quick brown fox jumps over the "
+    assert "".join(u.text for u in updates) + detokenizer.flush() == " the quick brown fox jumps over the "
     assert updates[-1].stop_string == "lazy"
 
 
@@ -190,7 +187,6 @@ def test_streaming_matches_decode_and_never_retracts_text(
         update = detokenizer.update(step)
         assert REPLACEMENT not in update.text
         emitted += update.text
-        assert detokenizer.output_text.startswith(emitted)
         if update.stop_string is not None:
             break
     emitted += detokenizer.flush()
@@ -200,4 +196,5 @@ def test_streaming_matches_decode_and_never_retracts_text(
         expected = out_text[:cut + len(stop)] if include else out_text[:cut]
     else:
         expected = out_text
-    assert emitted == detokenizer.output_text == expected
+    # Emitted text is never taken back: every delta is a piece of the final text, in order.
+    assert emitted == expected

@@ -95,7 +95,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        if not self.params.use_beam_search and len(self.sequences) != self.params.n:
+        if len(self.sequences) != self.params.n and not self.params.use_beam_search:
             return False
         # A loop rather than all() over a generator: this runs for every request every step.
         for seq in self.sequences:

@@ -34,9 +34,11 @@ class DetokenizerUpdate:
 class IncrementalDetokenizer:
     """Turns one sample's new token ids into text deltas, step by step.
 
-    ``output_text`` is all text decoded so far, after stop-string truncation,
-    including any part still held back from the deltas. Deltas concatenated
-    (plus ``flush()`` at the end) equal ``output_text``.
+    With stop strings, ``_text`` is all text decoded so far, after stop-string
+    truncation, including any part still held back from the deltas. Without
+    them nothing is held back, so each chunk goes straight out and ``_text``
+    only receives what ``flush()`` decodes at the end. Either way, the deltas
+    concatenated (plus ``flush()``) are the sample's whole text.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: Sequence[int],
@@ -58,7 +60,7 @@ class IncrementalDetokenizer:
         self._stream = self._primed_stream()
         self._emitted = 0
         self._finished = False
-        self.output_text = ""
+        self._text = ""
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=self._skip_special)
@@ -93,22 +95,21 @@ class IncrementalDetokenizer:
         if self._num_decoded > 2 * _PRIME_WINDOW:  # keep only the context flush() may need
             del ids[: self._num_decoded - _PRIME_WINDOW]
             self._num_decoded = _PRIME_WINDOW
-        self._num_tokens += len(new_token_ids)
-        previous_length = len(self.output_text)
-        self.output_text += text
         if not self._stops:  # nothing to find or hold back: all of it goes out now
-            self._emitted = len(self.output_text)
             return DetokenizerUpdate(text, None)
+        self._num_tokens += len(new_token_ids)
+        previous_length = len(self._text)
+        self._text += text
 
         # As in vLLM, stop strings count only once min_tokens tokens are out.
         if self._num_tokens > self._min_tokens:
             match = self._find_stop(previous_length)
             if match is not None:
                 stop, start = match
-                self.output_text = self.output_text[: start + len(stop) if self._include_stop else start]
+                self._text = self._text[: start + len(stop) if self._include_stop else start]
                 self._finished = True
-                return DetokenizerUpdate(self._release(len(self.output_text)), stop)
-        return DetokenizerUpdate(self._release(len(self.output_text) - self._held_back()), None)
+                return DetokenizerUpdate(self._release(len(self._text)), stop)
+        return DetokenizerUpdate(self._release(len(self._text) - self._held_back()), None)
 
     def flush(self) -> str:
         """Release everything held back, when the sample ends for a reason other than a stop string.
@@ -119,13 +120,13 @@ class IncrementalDetokenizer:
         if self._num_decoded < len(self._ids) and not self._finished:
             context = self._ids[max(0, self._num_decoded - _PRIME_WINDOW) : self._num_decoded]
             with_pending = self._decode(context + self._ids[self._num_decoded :])
-            self.output_text += with_pending[len(self._decode(context)):]
+            self._text += with_pending[len(self._decode(context)):]
             self._num_decoded = len(self._ids)
         self._finished = True
-        return self._release(len(self.output_text))
+        return self._release(len(self._text))
 
     def _release(self, end: int) -> str:
-        text = self.output_text[self._emitted:end]
+        text = self._text[self._emitted:end]
         self._emitted = max(self._emitted, end)
         return text
 
@@ -133,7 +134,7 @@ class IncrementalDetokenizer:
         """The earliest stop string that ends inside the text added this step."""
         best: tuple[str, int] | None = None
         for stop in self._stops:
-            start = self.output_text.find(stop, max(0, previous_length - len(stop) + 1))
+            start = self._text.find(stop, max(0, previous_length - len(stop) + 1))
             if start != -1 and (best is None or start < best[1]):
                 best = (stop, start)
         return best
@@ -146,7 +147,7 @@ class IncrementalDetokenizer:
         """
         if self._include_stop or not self._stops:
             return 0
-        text = self.output_text
+        text = self._text
         longest = 0
         for stop in self._stops:
             for length in range(min(len(stop) - 1, len(text)), longest, -1):

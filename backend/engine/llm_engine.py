@@ -309,7 +309,7 @@ class LLMEngine:
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         row = self._rows[seq.seq_id]
         params = row.params
-        if seq.num_output_tokens < params.min_tokens:
+        if params.min_tokens and seq.num_output_tokens < params.min_tokens:
             eos = () if params.ignore_eos else tuple(self.eos_token_ids)
             return SamplingRow(params, row.generator, row.penalties, (*eos, *params.stop_token_ids))
         return row
