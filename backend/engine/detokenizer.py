@@ -51,7 +51,7 @@ class IncrementalDetokenizer:
         self._stops = params.stop
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
-        self._num_tokens = 0
+        self._num_tokens = 0  # counted only with stop strings, for min_tokens
         # The ids fed to the stream (the last few it turned into text, then those it holds back),
         # and how many of them it has turned into text: only flush() reads them, to decode a
         # sample that ends mid-character.
@@ -145,7 +145,7 @@ class IncrementalDetokenizer:
         With ``include_stop_str_in_output`` the stop string is emitted anyway,
         so nothing needs holding back.
         """
-        if self._include_stop or not self._stops:
+        if self._include_stop:
             return 0
         text = self._text
         longest = 0
