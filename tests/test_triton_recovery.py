@@ -193,11 +193,17 @@ def test_a_killed_stub_fails_its_streams_and_the_server_comes_back(serve: Serve,
     print(f"\nkill -9: not ready after {not_ready_after:.2f} s, ready again after {not_ready_after + back_after:.1f} s")
     check_serving_again(serve, offline, restarts=restarts_before + 1)
     assert serve.health() == (200, "ok")
-    died = [line for line in serve.output if "backend stub of model 'llm'" in line and "died:" in line]
-    assert died, "the stub's death was not logged"
+    causes = [line for line in serve.output if "pagedllm: " in line and "restart #" in line]
+    died = [line for line in causes if "backend stub of model 'llm'" in line and "died:" in line]
+    # Usually the supervisor finds the stub gone and says so; if tritonserver went down with it
+    # before the supervisor looked, the logged cause is that (CI saw a restart without a "died:" line
+    # once; the output is in the message to tell which).
+    assert died or any("tritonserver is not running" in line for line in causes), \
+        "the restart's cause was not logged:\n" + "\n".join(serve.output[-60:])
     # The supervisor names the signal when it reads the dead stub before tritonserver reaps it;
     # on a loaded machine tritonserver can reap it first, and the status is then unknown.
-    assert any("killed by signal 9" in line or "exit status unknown" in line for line in died), died
+    if died:
+        assert any("killed by signal 9" in line or "exit status unknown" in line for line in died), died
 
 
 def test_a_dead_engine_loop_fails_its_streams_and_the_model_is_reloaded(serve: Serve, offline: LLM) -> None:
