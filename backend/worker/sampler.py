@@ -200,19 +200,21 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         logits = logits.masked_fill(probs < threshold, float("-inf"))
 
     probs = logits.softmax(dim=-1)
-    # Gumbel-max in exponential form: argmax(p / E) with E ~ Exp(1) is a draw from p.
+    # Gumbel-max in exponential form: argmax(p / E) with E ~ Exp(1) is a draw from p. E is drawn as
+    # -log(U), U ~ uniform: torch's CPU exponential_ is ~3-6x slower than uniform_ + log_ (2048-32000
+    # entries, 1 thread), and seeded rows draw one vocabulary-wide row each per step.
     noise = torch.empty_like(probs)
     unseeded = [i for i, r in enumerate(rows) if r.generator is None]
     if unseeded:
         if len(unseeded) == len(rows):
-            noise.exponential_()
+            noise.uniform_()
         else:
-            shared = torch.empty(len(unseeded), vocab, dtype=probs.dtype, device=device).exponential_()
+            shared = torch.empty(len(unseeded), vocab, dtype=probs.dtype, device=device).uniform_()
             noise[_index(unseeded, device)] = shared
     for i, row in enumerate(rows):
         if row.generator is not None:
-            noise[i].exponential_(generator=row.generator)
-    return _argmax(probs / noise)
+            noise[i].uniform_(generator=row.generator)
+    return _argmax(probs / noise.log_().neg_())
 
 
 def _results(raw: torch.Tensor, chosen: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
