@@ -75,7 +75,8 @@ class VllmReplayer:
 
     ``command`` is the process to run (tests give a stand-in that speaks the same lines).
     Used as a context manager: leaving it closes the process's stdin and waits for it to
-    exit, killing it after :data:`STOP_TIMEOUT_S`, also on Ctrl-C.
+    exit, killing it after :data:`STOP_TIMEOUT_S`; leaving on an error or Ctrl-C, or failing
+    to start, kills it at once.
     """
 
     def __init__(self, command: list[str], cwd: Path, env: dict[str, str]) -> None:
@@ -83,12 +84,11 @@ class VllmReplayer:
                                          text=True)
         try:
             ready = self._read()
-        except BaseException:
-            self.close()
+            if not ready.get("ready"):
+                raise RuntimeError(f"the vllm-cpu replay process did not start: {ready}")
+        except BaseException:  # Ctrl-C during the minute vLLM takes to load included
+            self._stop(kill=True)
             raise
-        if not ready.get("ready"):
-            self.close()
-            raise RuntimeError(f"the vllm-cpu replay process did not start: {ready}")
         self.about = {key: value for key, value in ready.items() if key != "ready"}
 
     @classmethod
@@ -117,6 +117,19 @@ class VllmReplayer:
         return RunResult.from_json(reply["run"])
 
     def close(self) -> None:
+        """End of input: the process exits on its own, or is killed after :data:`STOP_TIMEOUT_S`."""
+        self._stop(kill=False)
+
+    def __enter__(self) -> VllmReplayer:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self._stop(kill=error is not None)
+
+    def _stop(self, kill: bool) -> None:
+        if kill:
+            self._process.kill()
         if self._process.stdin is not None and not self._process.stdin.closed:
             self._process.stdin.close()
         try:
@@ -124,15 +137,6 @@ class VllmReplayer:
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
-
-    def __enter__(self) -> VllmReplayer:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 traceback: TracebackType | None) -> None:
-        if error is not None:
-            self._process.kill()
-        self.close()
 
     def _read(self) -> dict[str, Any]:
         if self._process.stdout is None:
