@@ -116,6 +116,18 @@ def test_sample_ending_inside_a_character_flushes_what_decode_gives(byte_level: 
     assert " x" + detokenizer.flush() == byte_level.decode(output)
 
 
+def test_feed_is_update_of_one_token_for_samples_without_stop_strings(byte_level: PreTrainedTokenizerFast) -> None:
+    prompt, output = encode(byte_level, "hello"), encode(byte_level, " héllo wörld 日本語 🙂" * 8)[:-1]
+    by_update, updates = stream(byte_level, prompt, one_per_step(output))
+    by_feed = IncrementalDetokenizer(byte_level, prompt, SamplingParams())
+    assert [by_feed.feed(t) for t in output] == [u.text for u in updates]
+    assert by_feed.flush() == by_update.flush() != ""  # the last character is unfinished: flush has it
+    with pytest.raises(ValueError, match="feed"):
+        by_feed.feed(output[0])
+    with pytest.raises(ValueError, match="stop strings"):
+        IncrementalDetokenizer(byte_level, prompt, SamplingParams(stop=("x",))).feed(output[0])
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_string_spanning_tokens_truncates(byte_level: PreTrainedTokenizerFast, include: bool) -> None:
     output = encode(byte_level, " the quick brown fox jumps over")

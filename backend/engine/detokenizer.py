@@ -84,17 +84,7 @@ class IncrementalDetokenizer:
         """Feed one step's new ids; return the text that may be emitted now."""
         if self._finished:
             raise ValueError("update() called after the sample finished (stop string or flush)")
-        text = ""
-        ids = self._ids
-        for token_id in new_token_ids:
-            ids.append(token_id)
-            chunk = self._stream.step(self._backend, token_id)
-            if chunk is not None:
-                text += chunk
-                self._num_decoded = len(ids)
-        if self._num_decoded > 2 * _PRIME_WINDOW:  # keep only the context flush() may need
-            del ids[: self._num_decoded - _PRIME_WINDOW]
-            self._num_decoded = _PRIME_WINDOW
+        text = "".join([self._feed(token_id) for token_id in new_token_ids])
         if not self._stops:  # nothing to find or hold back: all of it goes out now
             return DetokenizerUpdate(text, None)
         self._num_tokens += len(new_token_ids)
@@ -110,6 +100,25 @@ class IncrementalDetokenizer:
                 self._finished = True
                 return DetokenizerUpdate(self._release(len(self._text)), stop)
         return DetokenizerUpdate(self._release(len(self._text) - self._held_back()), None)
+
+    def feed(self, token_id: int) -> str:
+        """``update((token_id,)).text`` for a sample without stop strings, without building a record:
+        the per-token path of most samples."""
+        if self._stops or self._finished:
+            raise ValueError("feed() is for live samples without stop strings; use update()")
+        return self._feed(token_id)
+
+    def _feed(self, token_id: int) -> str:
+        ids = self._ids
+        ids.append(token_id)
+        chunk = self._stream.step(self._backend, token_id)
+        if chunk is None:
+            return ""
+        self._num_decoded = len(ids)
+        if self._num_decoded > 2 * _PRIME_WINDOW:  # keep only the context flush() may need
+            del ids[: self._num_decoded - _PRIME_WINDOW]
+            self._num_decoded = _PRIME_WINDOW
+        return chunk
 
     def flush(self) -> str:
         """Release everything held back, when the sample ends for a reason other than a stop string.

@@ -202,19 +202,44 @@ class LLMEngine:
 
     def _emit_all(self, samples: Seq[Sequence], tokens: Seq[SampledToken | None],
                   deltas: dict[str, list[CompletionDelta]], errors: dict[str, str]) -> None:
-        """Output processing of a step: each sample's text delta, stop strings."""
+        """Output processing of a step: each sample's text delta, stop strings.
+
+        One loop with its lookups bound once: it runs for every sampled token of every step.
+        """
+        process, rows = self.outputs.process, self._rows
+        emitted = 0
         for seq, token in zip(samples, tokens):
             request_id = seq.request.request_id
             if token is None or request_id in errors:
                 continue
+            emitted += 1
             try:
-                delta = self._emit(seq, token)
+                if seq.index == 0 and seq.num_output_tokens == 1:
+                    self._prompt_tokens_total += seq.num_prompt_tokens
+                if token.logprob is not None:
+                    seq.cumulative_logprob += token.logprob
+                penalties = rows[seq.seq_id].penalties
+                if penalties is not None:
+                    penalties.append(token.token_id)
+                delta = process(seq, token)
+                if delta.finish_reason == "stop" and seq.finish_reason != "stop":  # a stop string: only text shows it
+                    if seq.is_finished:
+                        seq.finish_reason = "stop"
+                    else:
+                        self.scheduler.finish(seq, "stop")
+                if seq.is_finished:
+                    del rows[seq.seq_id]
             except Exception as error:  # a detokenizer or stop-string fault is this request's alone
                 log.exception("output processing failed for request %s", request_id)
                 errors[request_id] = f"output processing failed: {error}"
                 self._fail(seq.request, errors[request_id])
                 continue
-            deltas.setdefault(request_id, []).append(delta)
+            request_deltas = deltas.get(request_id)
+            if request_deltas is None:
+                deltas[request_id] = [delta]
+            else:
+                request_deltas.append(delta)
+        self._generation_tokens_total += emitted
 
     def _sample(self, logits: torch.Tensor, samples: Seq[Sequence],
                 errors: dict[str, str]) -> list[SampledToken | None]:
@@ -233,25 +258,6 @@ class LLMEngine:
                 errors[seq.request.request_id] = f"sampling failed: {error}"
                 tokens.append(None)
         return tokens
-
-    def _emit(self, seq: Sequence, token: SampledToken) -> CompletionDelta:
-        if seq.index == 0 and seq.num_output_tokens == 1:
-            self._prompt_tokens_total += seq.num_prompt_tokens
-        self._generation_tokens_total += 1
-        if token.logprob is not None:
-            seq.cumulative_logprob += token.logprob
-        penalties = self._rows[seq.seq_id].penalties
-        if penalties is not None:
-            penalties.append(token.token_id)
-        delta = self.outputs.process(seq, token)
-        if delta.finish_reason == "stop" and seq.finish_reason != "stop":  # a stop string, which only the text shows
-            if seq.is_finished:
-                seq.finish_reason = "stop"
-            else:
-                self.scheduler.finish(seq, "stop")
-        if seq.is_finished:
-            del self._rows[seq.seq_id]
-        return delta
 
     def _fail(self, request: Request, message: str) -> None:
         """End every sample of ``request`` because it faulted; the rest of the batch carries on."""

@@ -33,23 +33,33 @@ class OutputProcessor:
         params = seq.request.params
         detokenizer = self._detokenizers[seq.seq_id]
         reason = seq.finish_reason
+        if reason is None and not params.stop:  # most tokens: no stop string to find, nothing to flush
+            text = detokenizer.feed(token.token_id)
+        else:
+            text, reason = self._text_at_stops(seq, detokenizer, token.token_id)
+            if reason is not None:
+                del self._detokenizers[seq.seq_id]
+        if params.logprobs is None:
+            return CompletionDelta(seq.index, text, (token.token_id,), None, None, reason)
+        logprobs = (token.top_logprobs or {},)
+        return CompletionDelta(seq.index, text, (token.token_id,), seq.cumulative_logprob, logprobs, reason)
+
+    @staticmethod
+    def _text_at_stops(seq: Sequence, detokenizer: IncrementalDetokenizer, token_id: int) -> tuple[str, str | None]:
+        """The text and finish reason of a token that ends its sample or may complete a stop string."""
+        reason = seq.finish_reason
         stop_string = None
         # As in vLLM, the EOS / stop token that ends a sample is not part of its text.
-        if reason == "stop" and not params.include_stop_str_in_output:
+        if reason == "stop" and not seq.request.params.include_stop_str_in_output:
             text = ""
         else:
-            update = detokenizer.update((token.token_id,))
+            update = detokenizer.update((token_id,))
             text, stop_string = update.text, update.stop_string
         if stop_string is not None:
             reason = "stop"
         elif reason is not None:
             text += detokenizer.flush()
-        if reason is not None:
-            del self._detokenizers[seq.seq_id]
-        if params.logprobs is None:
-            return CompletionDelta(seq.index, text, (token.token_id,), None, None, reason)
-        logprobs = (token.top_logprobs or {},)
-        return CompletionDelta(seq.index, text, (token.token_id,), seq.cumulative_logprob, logprobs, reason)
+        return text, reason
 
     def decode(self, request: Request, token_ids: tuple[int, ...], finish_reason: str) -> str:
         """The whole text of a finished beam hypothesis; as for samples, a stop token is not part of it."""

@@ -63,8 +63,9 @@ class InputBatch:
         # One row per running sequence; rows are recycled when sequences finish or are preempted.
         self._tables = np.zeros((max_rows, max_blocks_per_seq), dtype=np.int64)
         self._table_lens = np.zeros(max_rows, dtype=np.int64)
-        # Each row's last written block id, as a Python int: most steps a decode's table is unchanged,
-        # and comparing ints skips a numpy write per sequence.
+        # Each row's block count and last written block id as Python ints, mirroring the table: most
+        # steps a decode's table is unchanged, and comparing ints skips numpy reads and writes per sequence.
+        self._num_known: list[int] = [0] * max_rows
         self._last_block: list[int | None] = [None] * max_rows
         self._row_of: dict[int, int] = {}
         self._free_rows = list(range(max_rows - 1, -1, -1))
@@ -140,17 +141,19 @@ class InputBatch:
         if row is None:
             row = self._free_rows.pop()
             self._row_of[seq.seq_id] = row
-            self._table_lens[row] = 0
+            self._table_lens[row] = self._num_known[row] = 0
             self._last_block[row] = None
+        num_blocks = len(block_ids)
+        known = self._num_known[row]
         last = block_ids[-1] if block_ids else None
-        if last == self._last_block[row] and len(block_ids) == self._table_lens[row]:
+        if num_blocks == known and last == self._last_block[row]:
             return row
-        known = int(self._table_lens[row])
         # The last known block may have been replaced by a copy-on-write: rewrite it too.
         start = max(known - 1, 0)
-        if start < len(block_ids):
-            self._tables[row, start : len(block_ids)] = block_ids[start:]
-        self._table_lens[row] = len(block_ids)
+        if start < num_blocks:
+            self._tables[row, start:num_blocks] = block_ids[start:]
+        self._table_lens[row] = num_blocks
+        self._num_known[row] = num_blocks
         self._last_block[row] = last
         return row
 
