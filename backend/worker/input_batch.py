@@ -62,9 +62,8 @@ class InputBatch:
         self._step_table = buffer(max_rows, max_blocks_per_seq)
         # One row per running sequence; rows are recycled when sequences finish or are preempted.
         self._tables = np.zeros((max_rows, max_blocks_per_seq), dtype=np.int64)
-        self._table_lens = np.zeros(max_rows, dtype=np.int64)
-        # Each row's block count and last written block id as Python ints, mirroring the table: most
-        # steps a decode's table is unchanged, and comparing ints skips numpy reads and writes per sequence.
+        # Each row's block count and last written block id, as Python ints: most steps a decode's
+        # table is unchanged, and comparing ints skips numpy reads and writes per sequence.
         self._num_known: list[int] = [0] * max_rows
         self._last_block: list[int | None] = [None] * max_rows
         self._row_of: dict[int, int] = {}
@@ -79,7 +78,8 @@ class InputBatch:
         num_seqs = len(scheduled)
         query_lens = np.fromiter((item.num_tokens for item in scheduled), dtype=np.int64, count=num_seqs)
         starts = np.fromiter((item.seq.num_computed_tokens for item in scheduled), dtype=np.int64, count=num_seqs)
-        rows = np.fromiter((self._sync_row(item.seq) for item in scheduled), dtype=np.int64, count=num_seqs)
+        row_ids = [self._sync_row(item.seq) for item in scheduled]
+        rows = np.array(row_ids, dtype=np.int64)
         num_tokens = int(query_lens.sum())
         is_decode = num_tokens == num_seqs
         padded_seqs = self._bucket(num_seqs) if is_decode and self.pad_decodes else num_seqs
@@ -107,7 +107,7 @@ class InputBatch:
         np.add(np.arange(num_tokens) - query_start_loc[seq_of_token], starts[seq_of_token], out=positions[:num_tokens])
         positions[num_tokens:] = 0
 
-        width = int(self._table_lens[rows].max())
+        width = max(map(self._num_known.__getitem__, row_ids))
         table = self._step_table[:padded_seqs, :width]
         table[:num_seqs] = self._tables[rows, :width]
         table[num_seqs:] = 0
@@ -141,7 +141,7 @@ class InputBatch:
         if row is None:
             row = self._free_rows.pop()
             self._row_of[seq.seq_id] = row
-            self._table_lens[row] = self._num_known[row] = 0
+            self._num_known[row] = 0
             self._last_block[row] = None
         num_blocks = len(block_ids)
         known = self._num_known[row]
@@ -152,7 +152,6 @@ class InputBatch:
         start = max(known - 1, 0)
         if start < num_blocks:
             self._tables[row, start:num_blocks] = block_ids[start:]
-        self._table_lens[row] = num_blocks
         self._num_known[row] = num_blocks
         self._last_block[row] = last
         return row
