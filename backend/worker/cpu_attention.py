@@ -66,10 +66,17 @@ def _head_major(cache: torch.Tensor) -> torch.Tensor:
     return cache.permute(2, 0, 1, 3)
 
 
+def _is_head_major(cache: torch.Tensor) -> bool:
+    """Whether ``cache`` is laid out as :func:`new_cpu_cache` makes it: checked on the strides, without
+    building the permuted view, because every layer asks twice per step."""
+    num_blocks, block_size, _, head_dim = cache.shape
+    return cache.stride() == (block_size * head_dim, head_dim, num_blocks * block_size * head_dim, 1)
+
+
 def _native_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """The compiled decode routine reads float32 head-major caches on the CPU."""
     return (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
-            and _head_major(k_cache).is_contiguous() and _head_major(v_cache).is_contiguous())
+            and _is_head_major(k_cache) and _is_head_major(v_cache))
 
 
 def write_kv_cpu(
@@ -81,7 +88,7 @@ def write_kv_cpu(
 ) -> None:
     """:func:`pagedllm.kernels.reference.write_kv_ref`'s contract, with ``index_copy_`` into
     head-major caches: 38 -> 10 us per layer at 32 tokens, 73 -> 21 us at 128 (1 thread)."""
-    if not (_head_major(k_cache).is_contiguous() and _head_major(v_cache).is_contiguous()):
+    if not (_is_head_major(k_cache) and _is_head_major(v_cache)):
         write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
         return
     if slot_mapping.numel() and bool(slot_mapping.min() < 0):
@@ -103,7 +110,7 @@ def _rows_fit(key: torch.Tensor, value: torch.Tensor) -> bool:
 
 
 class CpuPagedAttention:
-    """Runs a planned step's attention; owns the gather buffers reused across layers and steps.
+    """Runs a planned step's attention; owns the gather and scratch buffers reused across layers and steps.
 
     With ``native`` (:func:`pagedllm.worker.native_decode.load_native_decode`), float32 decodes
     run in the compiled routine, which reads their blocks in place; everything else, and
@@ -140,20 +147,23 @@ class CpuPagedAttention:
         _, block_size, num_kv_heads, _ = k_cache.shape
         native = self._native if _native_fits(q, k_cache, v_cache) else None
         layout = plan.layout(block_size, q.dtype, native is not None)
-        # [kv_heads, rows, block_size, head_dim]
-        keys = self._gather("k", k_cache, layout.block_ids)
-        values = self._gather("v", v_cache, layout.block_ids)
         group = num_heads // num_kv_heads
+        # [kv_heads, rows, block_size, head_dim]; nothing to gather when the compiled routine runs every
+        # decode in place and nothing prefills, the usual step
+        keys = self._gather("k", k_cache, layout.block_ids) if layout.block_ids.numel() else None
+        values = self._gather("v", v_cache, layout.block_ids) if keys is not None else None
 
-        if layout.decodes_in_order:
+        if layout.decodes_in_order and keys is not None and values is not None:
             attended, _ = self._decode(q, keys, values, layout.decodes[0], scale, group)
             return attended.reshape(num_tokens, num_heads, head_dim)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the compiled routine writes it
         # Per token and head, the log-sum-exp of its scores: what merging a shared prefix's part needs.
-        lse = (torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+        lse = (self._reused(("lse", torch.float32, q.device, ()), num_tokens * num_heads).view(num_tokens, num_heads)
                if layout.shared_prefixes or layout.native_decodes is not None else None)
         if native is not None and layout.native_decodes is not None:
             native(q.contiguous(), _head_major(k_cache), _head_major(v_cache), layout.native_decodes, scale, out, lse)
+        if keys is None or values is None:
+            return out
         for batch in layout.decodes:
             attended, batch_lse = self._decode(q.index_select(0, batch.tokens), keys, values, batch, scale, group)
             out.index_copy_(0, batch.tokens, attended.reshape(batch.num_seqs, num_heads, head_dim))
@@ -215,6 +225,15 @@ class CpuPagedAttention:
         merged = own * torch.exp(own_lse - total)[..., None] + shared * torch.exp(shared_lse - total)[..., None]
         out.index_copy_(0, prefix.tokens, merged.to(out.dtype))
 
+    def _reused(self, key: tuple[str, torch.dtype, torch.device, tuple[int, ...]], size: int) -> torch.Tensor:
+        """``size`` elements of the buffer named by ``key`` (name, dtype, device, shape), grown as needed:
+        valid until the next call with the same key."""
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < size:
+            buffer = torch.empty(max(size, 1), dtype=key[1], device=key[2])
+            self._buffers[key] = buffer
+        return buffer[:size]
+
     def _gather(self, name: str, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """The blocks ``block_ids`` of every KV head, ``[kv_heads, rows, block_size, head_dim]``, written
         into a buffer that grows as needed and is reused after.
@@ -223,14 +242,10 @@ class CpuPagedAttention:
         than on the 4-D cache (measured on 5-66 MB gathers).
         """
         num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-        key = (name, cache.dtype, cache.device, (block_size, num_kv_heads, head_dim))
         width = block_size * head_dim
         size = num_kv_heads * block_ids.numel() * width
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < size:
-            buffer = torch.empty(max(size, 1), dtype=cache.dtype, device=cache.device)
-            self._buffers[key] = buffer
-        rows = buffer[:size].view(num_kv_heads, block_ids.numel(), width)
+        buffer = self._reused((name, cache.dtype, cache.device, (block_size, num_kv_heads, head_dim)), size)
+        rows = buffer.view(num_kv_heads, block_ids.numel(), width)
         source = _head_major(cache).reshape(num_kv_heads, num_blocks, width)  # a copy unless head-major
         torch.index_select(source, 1, block_ids, out=rows)
         return rows.view(num_kv_heads, block_ids.numel(), block_size, head_dim)

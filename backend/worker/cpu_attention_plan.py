@@ -52,13 +52,16 @@ class NativeDecodes:
     their blocks where they lie: they are neither gathered nor padded."""
 
     rows: np.ndarray  # int64 [num_seqs]: each sequence's query token
-    block_table: np.ndarray  # int64 [num_seqs, width]
+    block_table: np.ndarray  # int64 [num_seqs, width], C-contiguous
     lens: np.ndarray  # int64 [num_seqs]: context lengths
     max_len: int
     # The table's smallest and largest block ids: the routine checks them against the cache it reads,
     # once per layer, without scanning the table again.
     lowest_block: int
     highest_block: int
+    # Addresses of rows, block_table and lens, which this record keeps alive: read once per step,
+    # because numpy's ``.ctypes.data`` costs microseconds and every layer passes them.
+    addresses: tuple[int, int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,12 +197,17 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native:
 def _native_decodes(plan: CpuAttentionPlan, seqs: np.ndarray, block_size: int) -> NativeDecodes:
     """The decodes ``seqs`` for the compiled routine; ``ValueError`` for a context longer than its table row,
     which C would read past (the torch path clamps instead)."""
-    table, lens = np.ascontiguousarray(plan.block_table[seqs]), plan.seq_lens[seqs]
+    every = len(seqs) == len(plan.seq_lens)  # the usual step: the plan's arrays serve as they are
+    rows = plan.starts[:-1] if every else plan.starts[seqs]
+    table = plan.block_table if every else plan.block_table[seqs]
+    lens = plan.seq_lens if every else plan.seq_lens[seqs]
+    rows, table, lens = np.ascontiguousarray(rows), np.ascontiguousarray(table), np.ascontiguousarray(lens)
     max_len = int(lens.max())
     if -(-max_len // block_size) > table.shape[1]:
         raise ValueError(f"a context of {max_len} tokens runs past the end of its block-table row "
                          f"({table.shape[1]} blocks of {block_size})")
-    return NativeDecodes(plan.starts[seqs], table, lens, max_len, int(table.min()), int(table.max()))
+    return NativeDecodes(rows, table, lens, max_len, int(table.min()), int(table.max()),
+                         (rows.ctypes.data, table.ctypes.data, lens.ctypes.data))
 
 
 def _shared_prefixes(seqs: np.ndarray, block_table: np.ndarray, seq_lens: np.ndarray,

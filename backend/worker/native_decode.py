@@ -80,10 +80,10 @@ class NativeDecode:
         # C does not bound-check: a bad table would read outside the cache instead of raising.
         if decodes.lowest_block < 0 or decodes.highest_block >= num_blocks:
             raise ValueError(f"block table holds ids outside [0, {num_blocks})")
+        rows, block_table, lens = decodes.addresses
         failed = self._function(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), decodes.rows.ctypes.data,
-            decodes.block_table.ctypes.data, decodes.block_table.shape[1], decodes.lens.ctypes.data,
-            len(decodes.rows), kv_heads, q.shape[1] // kv_heads, head_dim, num_blocks, block_size, scale,
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows, block_table, decodes.block_table.shape[1],
+            lens, len(decodes.rows), kv_heads, q.shape[1] // kv_heads, head_dim, num_blocks, block_size, scale,
             decodes.max_len, torch.get_num_threads(), out.data_ptr(), lse.data_ptr(),
         )
         if failed:
