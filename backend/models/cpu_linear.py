@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pagedllm.worker.cpu_memory import advise_huge_pages
+
 logger = logging.getLogger(__name__)
 
 SWITCH_ENV = "PAGEDLLM_CPU_LINEAR"
@@ -81,6 +83,7 @@ class MklPackedLinear(PackedLinear):
         n, k = weight.shape
         size = gemm.cblas_sgemm_pack_get_size(_B_MATRIX, _PACK_ROWS, n, k)
         self.packed = torch.empty(size, dtype=torch.uint8)
+        advise_huge_pages(self.packed)  # before packing writes it: every decode step streams it whole (cpu_memory)
         gemm.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, _PACK_ROWS, n, k, 1.0, weight.data_ptr(), k,
                               self.packed.data_ptr())
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from pagedllm.kernels.reference import write_kv_ref
 from pagedllm.worker.attention_metadata import AttentionMetadata
+from pagedllm.worker.cpu_memory import advise_huge_pages
 from pagedllm.worker.cpu_attention_plan import CpuAttentionPlan, DecodeBatch, SharedPrefix
 from pagedllm.worker.native_decode import NativeDecode
 
@@ -58,7 +59,9 @@ def math_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
 def new_cpu_cache(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed ``[blocks, block_size, kv_heads, head_dim]`` cache stored head-major (see the module doc)."""
     num_blocks, block_size, num_kv_heads, head_dim = shape
-    return torch.zeros((num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device).permute(1, 2, 0, 3)
+    cache = torch.empty((num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device)
+    advise_huge_pages(cache)  # before the zeros touch it: decodes read it in scattered blocks (cpu_memory)
+    return cache.zero_().permute(1, 2, 0, 3)
 
 
 def _head_major(cache: torch.Tensor) -> torch.Tensor:

@@ -13,12 +13,27 @@ within noise: 15.6-15.7 against 15.7-16.4 s, 3.43-3.45 against 3.39-3.51 s.
 The cost is that the process keeps its peak working set, which a serving process
 does anyway.
 TCMalloc, which vLLM's CPU guide preloads, gets the same effect another way.
+
+The two big long-lived buffers, the KV cache and the packed weights, are also
+asked for transparent huge pages (:func:`advise_huge_pages`). Hosts that
+leave THP at ``madvise`` (the common default, and this project's CPU host)
+otherwise back them with 4 KB pages: a decode step reads the cache in scattered
+4 KB blocks, each on a page of its own, and streams every weight once, so it
+pays a TLB miss per page. Measured ad hoc on the project's Xeon host, 1 thread,
+caches evicted between calls as the linears between layers do: the compiled
+decode routine over 8-32 sequences of 600 tokens scattered in a 128 MB cache
+1.24-1.25x faster (2 sequences of 450: 1.13x); the small benchmark model's 33
+packed linears at 2-32 rows 1.01-1.05x.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import sys
+from collections.abc import Callable
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +43,8 @@ M_MMAP_THRESHOLD = -3
 # glibc's largest mmap threshold on 64-bit hosts; blocks above it are still mapped one by one.
 MAX_MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 1 << 30
+MADV_HUGEPAGE = 14  # Linux <sys/mman.h>
+PAGE_SIZE = 4096
 
 
 def keep_freed_memory() -> bool:
@@ -42,3 +59,32 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # mallopt returns 1 on success.
     return bool(mallopt(M_MMAP_THRESHOLD, MAX_MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """Ask Linux to back ``tensor``'s whole pages with transparent huge pages; ``False`` where it cannot.
+
+    It takes effect on pages first touched after the call (earlier ones wait for
+    khugepaged), so call it on a fresh ``torch.empty`` before filling it. Only
+    advice: the contents and every result stay the same.
+    """
+    madvise = _madvise()
+    if madvise is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return False
+    start = tensor.data_ptr()
+    first = -(-start // PAGE_SIZE) * PAGE_SIZE  # madvise takes whole pages
+    end = (start + tensor.numel() * tensor.element_size()) // PAGE_SIZE * PAGE_SIZE
+    # 0 on success; EINVAL where the kernel has no transparent huge pages.
+    return end > first and madvise(first, end - first, MADV_HUGEPAGE) == 0
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        madvise = ctypes.CDLL("libc.so.6", use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return madvise
