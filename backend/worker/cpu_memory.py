@@ -1,4 +1,4 @@
-"""Keep freed memory in the process on CPUs, so that a step's large temporaries are not faulted in anew.
+"""CPU memory: freed memory kept in the process, and huge pages for the big buffers that live as long as it.
 
 glibc hands blocks above its mmap threshold back to the kernel when they are
 freed, and trims the top of its heap above the trim threshold. A prefill step's
