@@ -151,12 +151,9 @@ class CpuPagedAttention:
         native = self._native if _native_fits(q, k_cache, v_cache) else None
         layout = plan.layout(block_size, q.dtype, native is not None)
         group = num_heads // num_kv_heads
-        # [kv_heads, rows, block_size, head_dim]; nothing to gather when the compiled routine runs every
-        # decode in place and nothing prefills, the usual step
-        keys = self._gather("k", k_cache, layout.block_ids) if layout.block_ids.numel() else None
-        values = self._gather("v", v_cache, layout.block_ids) if keys is not None else None
 
-        if layout.decodes_in_order and keys is not None and values is not None:
+        if layout.decodes_in_order:
+            keys, values = self._gather("k", k_cache, layout.block_ids), self._gather("v", v_cache, layout.block_ids)
             attended, _ = self._decode(q, keys, values, layout.decodes[0], scale, group)
             return attended.reshape(num_tokens, num_heads, head_dim)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the compiled routine writes it
@@ -165,8 +162,10 @@ class CpuPagedAttention:
                if layout.shared_prefixes or layout.native_decodes is not None else None)
         if native is not None and layout.native_decodes is not None:
             native(q.contiguous(), _head_major(k_cache), _head_major(v_cache), layout.native_decodes, scale, out, lse)
-        if keys is None or values is None:
+        if not layout.block_ids.numel():  # the usual step: the compiled routine read every decode in place
             return out
+        # [kv_heads, rows, block_size, head_dim]
+        keys, values = self._gather("k", k_cache, layout.block_ids), self._gather("v", v_cache, layout.block_ids)
         for batch in layout.decodes:
             attended, batch_lse = self._decode(q.index_select(0, batch.tokens), keys, values, batch, scale, group)
             out.index_copy_(0, batch.tokens, attended.reshape(batch.num_seqs, num_heads, head_dim))
