@@ -7,15 +7,20 @@
 3. The sampled token's logprob: one fused ``log_softmax`` (the sampler's) against ``gather - logsumexp``.
 4. Linears: ``F.linear`` (MKL, the default) against oneDNN's prepacked fp32 linear (not used: it
    rounds differently from transformers, whose greedy tokens the tests match exactly).
+5. Huge pages: a decode step's attention (the compiled routine) over a cache from ``new_cpu_cache``,
+   which asks for transparent huge pages, against the same layout on 4 KB pages; blocks scattered in
+   a 128 MB cache, the CPU caches flushed before every call as a layer's linears flush them.
 
-Usage: .venv/bin/python scripts/ab_cpu_choices.py [--rounds 2]
+Usage: .venv/bin/python scripts/ab_cpu_choices.py [--rounds 2] [--only huge-pages]
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +30,9 @@ from pagedllm import LLM
 from pagedllm.bench.engines import pagedllm_params
 from pagedllm.bench.models import bench_model
 from pagedllm.bench.workloads import make_workload
+from pagedllm.worker.attention_backend import torch_backend
+from pagedllm.worker.attention_metadata import AttentionMetadata
+from pagedllm.worker.cpu_attention import new_cpu_cache
 
 
 def seconds(fn: Callable[[], object], reps: int) -> float:
@@ -102,15 +110,50 @@ def linears(rounds: int) -> None:
               f"{times['mkl'] / times['onednn']:.2f}x |")
 
 
+def huge_pages(rounds: int) -> None:
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    print(f"\n(transparent huge pages: {mode.read_text().strip() if mode.exists() else 'none'})")
+    print("| decode step, small heads 8/2, head_dim 64 | 4 KB pages ms | huge pages ms | speed-up |\n|---|---|---|---|")
+    num_blocks, block_size, kv_heads, head_dim = 16384, 16, 2, 64  # 128 MB per cache
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    # Same head-major layout; the plain one comes from torch.zeros, which asks the kernel for nothing.
+    caches = {"4k": [torch.zeros(kv_heads, num_blocks, block_size, head_dim).permute(1, 2, 0, 3).normal_()
+                     for _ in range(2)],
+              "huge": [new_cpu_cache(shape, torch.float32, torch.device("cpu")).normal_() for _ in range(2)]}
+    backend = torch_backend()
+    flush = torch.empty(64 << 20, dtype=torch.uint8)
+    generator = torch.Generator().manual_seed(0)
+    for num_seqs, context in ((2, 450), (8, 600), (32, 600)):
+        per_seq = -(-context // block_size)
+        table = torch.randperm(num_blocks, generator=generator)[: num_seqs * per_seq].view(num_seqs, per_seq)
+        metadata = backend.plan(AttentionMetadata(
+            torch.arange(num_seqs + 1, dtype=torch.int32), torch.full((num_seqs,), context, dtype=torch.int32),
+            table.to(torch.int32), torch.zeros(num_seqs, dtype=torch.int64), 1, context))
+        q = torch.randn(num_seqs, 8, head_dim)
+        times: dict[str, list[float]] = {"4k": [], "huge": []}
+        for _ in range(15 * rounds):
+            for name, (k, v) in caches.items():
+                flush.add_(1)
+                start = time.perf_counter()
+                backend.attend(q, k, v, metadata, head_dim**-0.5)
+                times[name].append(time.perf_counter() - start)
+        a, b = statistics.median(times["4k"]), statistics.median(times["huge"])
+        print(f"| {num_seqs} x ctx {context} | {1e3 * a:.3f} | {1e3 * b:.3f} | {a / b:.2f}x |")
+
+
+SECTIONS: dict[str, Callable[[int], None]] = {"sdpa-layouts": sdpa_layouts, "cascade": cascade, "logprob": logprob,
+                                              "linears": linears, "huge-pages": huge_pages}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--only", choices=sorted(SECTIONS), help="run this section alone")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    sdpa_layouts(args.rounds)
-    cascade(args.rounds)
-    logprob(args.rounds)
-    linears(args.rounds)
+    for name, section in SECTIONS.items():
+        if args.only in (None, name):
+            section(args.rounds)
 
 
 if __name__ == "__main__":

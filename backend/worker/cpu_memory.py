@@ -19,11 +19,11 @@ asked for transparent huge pages (:func:`advise_huge_pages`). Hosts that
 leave THP at ``madvise`` (the common default, and this project's CPU host)
 otherwise back them with 4 KB pages: a decode step reads the cache in scattered
 4 KB blocks, each on a page of its own, and streams every weight once, so it
-pays a TLB miss per page. Measured ad hoc on the project's Xeon host, 1 thread,
-caches evicted between calls as the linears between layers do: the compiled
-decode routine over 8-32 sequences of 600 tokens scattered in a 128 MB cache
-1.24-1.25x faster (2 sequences of 450: 1.13x); the small benchmark model's 33
-packed linears at 2-32 rows 1.01-1.05x.
+pays a TLB miss per page. On the project's Xeon host, 1 thread, a decode step's
+attention over blocks scattered in a 128 MB cache, CPU caches flushed before each
+call: 1.11-1.22x faster at 2-32 sequences (``scripts/ab_cpu_choices.py --only
+huge-pages``); the small benchmark model's 33 packed linears at 2-32 rows
+1.01-1.05x (ad hoc).
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def _madvise() -> Callable[[int, int, int], int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        madvise = ctypes.CDLL("libc.so.6", use_errno=True).madvise
+        madvise = ctypes.CDLL("libc.so.6").madvise
     except (OSError, AttributeError):
         return None
     madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
