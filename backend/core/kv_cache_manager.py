@@ -98,8 +98,12 @@ class KVCacheManager:
         Adopts ``match`` (a fresh sequence's cached prefix) first. All or nothing:
         returns False, changing nothing, when the free pool is too small.
         """
-        if not match.blocks and self._fits_in_place(seq, num_new_tokens):
-            return True
+        held = seq.block_ids
+        if not match.blocks and seq.num_computed_tokens + num_new_tokens <= len(held) * self.block_size:
+            # The decode fast path: the new tokens land in blocks ``seq`` already holds alone.
+            write_index = seq.num_computed_tokens // self.block_size
+            if write_index >= len(held) or self.blocks[held[write_index]].ref_count == 1:
+                return True
         num_computed = seq.num_computed_tokens + len(match.blocks) * self.block_size
         num_held = len(seq.block_ids) + len(match.blocks)
         num_fresh = max(0, self.blocks_needed(num_computed + num_new_tokens) - num_held)
@@ -124,14 +128,6 @@ class KVCacheManager:
             seq.block_ids.append(self._take_free().block_id)
         self.peak_blocks_used = max(self.peak_blocks_used, self.num_used_blocks)
         return True
-
-    def _fits_in_place(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """The decode fast path: the new tokens land in blocks ``seq`` already holds alone."""
-        held = seq.block_ids
-        if seq.num_computed_tokens + num_new_tokens > len(held) * self.block_size:
-            return False
-        write_index = seq.num_computed_tokens // self.block_size
-        return write_index >= len(held) or self.blocks[held[write_index]].ref_count == 1
 
     def fork(self, parent: Sequence, child: Sequence, num_blocks: int | None = None) -> None:
         """Let ``child`` share every block of ``parent`` (or only its first ``num_blocks`` full, computed

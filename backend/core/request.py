@@ -23,6 +23,11 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+# Looking a member up on its enum class costs ~0.15 µs in Python 3.11; these checks run for every
+# sequence several times a step.
+_FINISHED = SequenceStatus.FINISHED
+
+
 @dataclass(eq=False, slots=True)
 class Sequence:
     """One sample's token stream: the unit the scheduler batches and the KV cache stores.
@@ -62,13 +67,13 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        return self.status is _FINISHED
 
     @property
     def pending_forks(self) -> int:
         """Siblings this sequence will spawn when it samples its first token (``n > 1``, or the other beams)."""
         request = self.request
-        if self.num_output_tokens > 0 or self is not request.sequences[0]:
+        if len(self.token_ids) > self.num_prompt_tokens or self is not request.sequences[0]:
             return 0
         return request.fan_out - len(request.sequences)
 
@@ -99,7 +104,7 @@ class Request:
             return False
         # A loop rather than all() over a generator: this runs for every request every step.
         for seq in self.sequences:
-            if seq.status is not SequenceStatus.FINISHED:
+            if seq.status is not _FINISHED:
                 return False
         return True
 

@@ -44,7 +44,8 @@ class ScheduledSequence:
     @property
     def completes_prefill(self) -> bool:
         """This step reaches the sequence's last token, so its logits get sampled (before the update)."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        seq = self.seq
+        return seq.num_computed_tokens + self.num_tokens == len(seq.token_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,8 @@ class SchedulerOutput:
     # Sequences that finished since the previous step: the worker drops their persistent state.
     finished_seq_ids: tuple[int, ...] = ()
     beams: tuple[BeamBatch, ...] = ()  # beam groups: not in ``samples``, they take candidates instead
+    # The index in ``scheduled`` of each sequence that completes its prefill (logits row i is completing[i]).
+    completing: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -135,6 +138,7 @@ class Scheduler:
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
 
+        allocate = self.kv.allocate  # bound once: the loop below runs for every running sequence
         index = 0
         # Victims are popped from the end, so the sequences still ahead of ``index`` are all running.
         while index < len(self.running) and budget > 0:
@@ -144,8 +148,8 @@ class Scheduler:
                 budget -= used
                 index += advance
                 continue
-            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate(seq, num_tokens):
+            num_tokens = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            while not allocate(seq, num_tokens):
                 victims = self._preempt_last()
                 preempted.extend(victims)
                 if seq in victims:
@@ -173,12 +177,13 @@ class Scheduler:
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(out.samples)} samples")
         if len(beam_candidates) != len(out.beams):
             raise ValueError(f"{len(beam_candidates)} candidate lists for {len(out.beams)} beam groups")
+        cache_full_blocks = self.kv.cache_full_blocks
         for item in out.scheduled:
             seq = item.seq
             if seq.is_finished:  # ended (error) between schedule and update: its blocks are gone
                 continue
             seq.num_computed_tokens += item.num_tokens
-            self.kv.cache_full_blocks(seq)
+            cache_full_blocks(seq)
         finished: list[Sequence] = []
         for seq, token_id in zip(out.samples, sampled_token_ids):
             if seq.is_finished:
@@ -202,8 +207,9 @@ class Scheduler:
         rows: list[int] = []
         forked: list[Sequence] = []
         beam_rows: dict[Request, dict[Sequence, int]] = {}
-        completing = [item for item in scheduled if item.completes_prefill]
-        for row, item in enumerate(completing):
+        completing = [index for index, item in enumerate(scheduled) if item.completes_prefill]
+        for row, index in enumerate(completing):
+            item = scheduled[index]
             parent = item.seq
             if parent.request.beam_search is not None:
                 beam_rows.setdefault(parent.request, {})[parent] = row
@@ -225,7 +231,7 @@ class Scheduler:
         beams = tuple(BeamBatch(request, tuple(request.beams), tuple(rows_of[beam] for beam in request.beams))
                       for request, rows_of in beam_rows.items())
         return SchedulerOutput(scheduled, tuple(self.kv.take_pending_copies()), preempted,
-                               tuple(samples), tuple(rows), tuple(forked), finished, beams)
+                               tuple(samples), tuple(rows), tuple(forked), finished, beams, tuple(completing))
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> None:
         # A static batch, once formed, admits nobody until all of it has finished; it

@@ -21,14 +21,15 @@ class StopPolicy:
     def finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         """Why ``seq`` ends now that ``token_id`` was appended to it, if it does."""
         params = seq.request.params
-        num_output_tokens = seq.num_output_tokens
+        num_tokens = len(seq.token_ids)  # not the properties: this runs for every sampled token
+        num_output_tokens = num_tokens - seq.num_prompt_tokens
         if num_output_tokens >= params.min_tokens and (
             token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos)
         ):
             return "stop"
         if params.max_tokens is not None and num_output_tokens >= params.max_tokens:
             return "length"
-        if seq.num_tokens >= self.max_model_len:
+        if num_tokens >= self.max_model_len:
             return "length"
         return None
 

@@ -214,7 +214,7 @@ class LLMEngine:
                 continue
             emitted += 1
             try:
-                if seq.index == 0 and seq.num_output_tokens == 1:
+                if len(seq.token_ids) == seq.num_prompt_tokens + 1 and seq.index == 0:  # its first token
                     self._prompt_tokens_total += seq.num_prompt_tokens
                 if token.logprob is not None:
                     seq.cumulative_logprob += token.logprob

@@ -50,18 +50,19 @@ class InputBatch:
         max_rows = self.buckets[-1]
         pin = device.type == "cuda"
 
-        def buffer(*shape: int) -> np.ndarray:
-            return torch.zeros(shape, dtype=torch.int64, pin_memory=pin).numpy()
+        def buffer(*shape: int, dtype: torch.dtype = torch.int64) -> np.ndarray:
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin).numpy()
 
         self._input_ids = buffer(max_tokens)
         self._positions = buffer(max_tokens)
         self._slot_mapping = buffer(max_tokens)
-        self._query_start_loc = buffer(max_rows + 1)
-        self._seq_lens = buffer(max_rows)
+        # The attention metadata is int32, as the kernels read it: held so, it needs no conversion per step.
+        self._query_start_loc = buffer(max_rows + 1, dtype=torch.int32)
+        self._seq_lens = buffer(max_rows, dtype=torch.int32)
         self._logits_indices = buffer(max_rows)
-        self._step_table = buffer(max_rows, max_blocks_per_seq)
+        self._step_table = buffer(max_rows, max_blocks_per_seq, dtype=torch.int32)
         # One row per running sequence; rows are recycled when sequences finish or are preempted.
-        self._tables = np.zeros((max_rows, max_blocks_per_seq), dtype=np.int64)
+        self._tables = np.zeros((max_rows, max_blocks_per_seq), dtype=np.int32)
         # Each row's block count and last written block id, as Python ints: most steps a decode's
         # table is unchanged, and comparing ints skips numpy reads and writes per sequence.
         self._num_known: list[int] = [0] * max_rows
@@ -97,9 +98,11 @@ class InputBatch:
         if is_decode:
             input_ids[:num_seqs] = [item.seq.token_ids[-1] for item in scheduled]
         else:
-            input_ids[:num_tokens] = [t for item in scheduled for t in
-                                      item.seq.token_ids[item.seq.num_computed_tokens :
-                                                         item.seq.num_computed_tokens + item.num_tokens]]
+            chunks: list[int] = []
+            for item in scheduled:  # list slices, not a Python loop over every prompt token
+                start = item.seq.num_computed_tokens
+                chunks += item.seq.token_ids[start : start + item.num_tokens]
+            input_ids[:num_tokens] = chunks
         input_ids[num_tokens:] = 0
 
         seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
@@ -113,13 +116,17 @@ class InputBatch:
         table[num_seqs:] = 0
         slot_mapping = self._slot_mapping[:padded_tokens]
         bs = self.block_size
-        np.add(table[seq_of_token, positions[:num_tokens] // bs] * bs, positions[:num_tokens] % bs,
+        np.add(table[seq_of_token, positions[:num_tokens] // bs] * np.int64(bs), positions[:num_tokens] % bs,
                out=slot_mapping[:num_tokens])
         slot_mapping[num_tokens:] = -1  # padding writes no KV
 
-        completing = [i for i, item in enumerate(scheduled) if item.completes_prefill]
+        completing = step.completing
         logits_indices = self._logits_indices[: len(completing)]
-        logits_indices[:] = query_start_loc[1:][completing] - 1
+        ends = query_start_loc[1 : num_seqs + 1]
+        if len(completing) == num_seqs:  # every row samples: the usual decode step
+            np.subtract(ends, 1, out=logits_indices)
+        else:
+            logits_indices[:] = ends[list(completing)] - 1
 
         put = self._to_device
         attn = AttentionMetadata(

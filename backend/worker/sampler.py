@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -60,6 +60,15 @@ class SamplingRow:
     generator: torch.Generator | None  # seeded per sample; None draws from the global RNG
     penalties: PenaltyState | None  # the sample's token history, when its params have penalties
     suppressed_token_ids: tuple[int, ...]  # must not be sampled now (EOS/stop ids under min_tokens)
+    # Greedy with nothing to edit or report: an argmax of the raw logits is the whole answer. Worked out
+    # once per row here, not for every row of every step.
+    argmax_only: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        params = self.params
+        argmax_only = (params.greedy and params.logprobs is None and not self.suppressed_token_ids
+                       and not needs_penalties(params))
+        object.__setattr__(self, "argmax_only", argmax_only)
 
 
 # Not frozen, like the other records built per token per step: a frozen __init__ costs several times more.
@@ -98,9 +107,11 @@ class Sampler:
         if not rows:
             return []
         raw = logits.float()
+        if all([row.argmax_only for row in rows]):  # the common greedy batch: nothing to copy, mask or report
+            return [SampledToken(token_id, None, None) for token_id in _argmax(raw).tolist()]
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         edits = any(row.suppressed_token_ids or needs_penalties(row.params) for row in rows)
-        if not edits and not random_rows:  # the common greedy batch: nothing to copy or mask
+        if not edits and not random_rows:  # greedy, but some rows report logprobs
             return _results(raw, _argmax(raw), rows)
         work = raw.clone()
         apply_penalties(work, rows)
