@@ -45,6 +45,7 @@ from pagedllm.engine.core_process import EngineCoreProcess
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.engine_contract import EngineUnavailable, FailureKind
 from pagedllm.engine.engine_loop import EngineLoop
+from pagedllm.engine.gc_tuning import freeze_startup_heap
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.serving.cancellation import CancellationWatcher
 from pagedllm.serving.engine_args import load_engine_config
@@ -139,6 +140,7 @@ class TritonPythonModel:
         if server is not None and split is not None and split.serving:
             server.confine(split.serving)
             self._server_threads = server
+        freeze_startup_heap()  # a stub process serves this one model instance for its whole life
         self._logger.log_info(f"[pagedllm] ready: max_model_len={self._engine.max_model_len}, "
                               f"{self._engine.stats().num_blocks_total} KV blocks of {engine_config.block_size}")
 

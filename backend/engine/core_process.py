@@ -224,6 +224,7 @@ def _python_executable() -> str:
 
 def child_main(fd: int) -> None:
     """Entry point of the child interpreter: serve the engine over the connection on ``fd``."""
+    from pagedllm.engine.gc_tuning import freeze_startup_heap
     from pagedllm.engine.llm_engine import LLMEngine
 
     conn = Connection(fd)
@@ -234,6 +235,7 @@ def child_main(fd: int) -> None:
     except Exception as error:
         conn.send(("failed", (type(error).__name__, str(error))))
         return
+    freeze_startup_heap()
     info = {"max_model_len": engine.max_model_len, "tokenizer_dir": engine.tokenizer.name_or_path,
             "limits": engine.limits, "cpu_split": cpu_split}
     conn.send(("ready", info, engine.stats()))

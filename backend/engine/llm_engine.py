@@ -19,6 +19,7 @@ from pagedllm.core.request import Request, Sequence
 from pagedllm.core.scheduler import BeamBatch, Scheduler, SchedulerOutput
 from pagedllm.core.stop_policy import StopPolicy
 from pagedllm.engine.admission import AdmissionLimits, check_request, tokenize_prompt
+from pagedllm.engine.gc_tuning import collect_young_less_often
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.model_source import resolve_model_dir
@@ -102,6 +103,7 @@ class LLMEngine:
         self._peak_tokens_held = 0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        collect_young_less_often()
 
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams) -> None:
         """Queue a request; raises ``ValueError`` for input it could never serve."""
