@@ -135,6 +135,20 @@ def beam_chunks(remaining: list[int], ready: list[bool], budget: int) -> list[in
     return chunks
 
 
+def survivor_parents(survivors: Sequence[BeamCandidate]) -> tuple[dict[int, int], list[int]]:
+    """How a step's survivors map onto the live beams: each beam that some survivor extends
+    continues as its best one (beam -> that survivor's rank); every further survivor of the same
+    beam is a fork of it (their ranks). Beams no survivor extends are dropped."""
+    continuing: dict[int, int] = {}
+    forks: list[int] = []
+    for rank, candidate in enumerate(survivors):
+        if candidate.beam in continuing:
+            forks.append(rank)
+        else:
+            continuing[candidate.beam] = rank
+    return continuing, forks
+
+
 def shared_full_blocks(token_ids: list[int], leader_token_ids: list[int], block_size: int) -> int:
     """How many leading full blocks of a beam hold the same tokens as its leader's: the blocks it can
     share instead of recomputing. Its last token is never shared: its logits are needed."""

@@ -29,7 +29,8 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from pagedllm.core.beam_search import BeamCandidate, BeamSearch, beam_chunks, shared_full_blocks
+from pagedllm.core.beam_search import (BeamCandidate, BeamSearch, beam_chunks, shared_full_blocks,
+                                       survivor_parents)
 from pagedllm.core.kv_cache_manager import NO_MATCH, KVCacheManager
 from pagedllm.core.request import Request, Sequence, SequenceStatus
 from pagedllm.core.stop_policy import StopPolicy
@@ -343,13 +344,7 @@ class Scheduler:
             for beam in beams:
                 self.finish(beam, "stop")
             return list(beams)
-        continuing: dict[int, int] = {}  # parent beam -> the rank of the survivor it becomes
-        forks: list[int] = []  # ranks of the survivors that fork from an already continuing parent
-        for rank, candidate in enumerate(step.survivors):
-            if candidate.beam in continuing:
-                forks.append(rank)
-            else:
-                continuing[candidate.beam] = rank
+        continuing, forks = survivor_parents(step.survivors)
         ranked: list[Sequence] = [beams[0]] * len(step.survivors)
         for parent, rank in continuing.items():
             ranked[rank] = beams[parent]
