@@ -5,6 +5,12 @@ and writes the cache only through the ``AttentionBackend`` and the step's
 ``AttentionMetadata``, planned once per step by the backend (``backend.plan``)
 before the forward and shared by every layer. Projections are fused (q|k|v and gate|up) to cut kernel
 launches; the loader concatenates the checkpoint's separate weights.
+
+Under tensor parallelism (``tp.size > 1``) each rank builds the same modules at
+its share's sizes (:mod:`pagedllm.parallel.sharding`): q|k|v and gate|up hold
+its rows, o_proj and down_proj its columns, followed by one all-reduce each,
+with their biases added once, after it; the embedding and the LM head hold its
+vocabulary slice.
 """
 from __future__ import annotations
 
@@ -21,6 +27,10 @@ from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.models.architectures import ArchitectureTraits
 from pagedllm.models.cpu_fused_ops import CpuFusedOps
 from pagedllm.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
+from pagedllm.models.tensor_parallel import (ParameterSource, TensorPart, VocabParallelEmbedding, gather_vocab,
+                                             model_shape)
+from pagedllm.parallel.group import SINGLE, TensorParallel
+from pagedllm.parallel.sharding import RowRange, ShardLayout, shard_layout
 
 
 def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
@@ -30,19 +40,26 @@ def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
     return layer
 
 
+def _bias(size: int, present: bool) -> nn.Parameter | None:
+    return nn.Parameter(torch.empty(size), requires_grad=False) if present else None
+
+
 class Attention(nn.Module):
     def __init__(self, config: PretrainedConfig, traits: ArchitectureTraits, attention: AttentionBackend,
-                 fused: CpuFusedOps | None) -> None:
+                 fused: CpuFusedOps | None, layout: ShardLayout, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = layout.num_heads
+        self.num_kv_heads = layout.num_kv_heads
         self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.attention = attention
         self.qkv_proj = _linear(config.hidden_size, self.q_size + 2 * self.kv_size, traits.qkv_bias)
-        self.o_proj = _linear(self.q_size, config.hidden_size, traits.o_bias)
+        # Row-parallel: the bias is added once, after the ranks' partial sums are reduced.
+        self.o_proj = _linear(self.q_size, config.hidden_size, False)
+        self.o_bias = _bias(config.hidden_size, traits.o_bias)
+        self.tp = tp
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if traits.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if traits.qk_norm else None
         # Rotary in place on the fused q|k heads; per-head q/k norms come first, so those models keep torch's.
@@ -73,32 +90,39 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         self.attention.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
         out = self.attention.attend(q, k_cache, v_cache, attn, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
+        return out if self.o_bias is None else out.add_(self.o_bias)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, traits: ArchitectureTraits, fused: CpuFusedOps | None) -> None:
+    def __init__(self, config: PretrainedConfig, traits: ArchitectureTraits, fused: CpuFusedOps | None,
+                 layout: ShardLayout, tp: TensorParallel) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, traits.mlp_bias)
-        self.down_proj = _linear(config.intermediate_size, config.hidden_size, traits.mlp_bias)
+        self.intermediate_size = layout.intermediate_size
+        self.gate_up_proj = _linear(config.hidden_size, 2 * self.intermediate_size, traits.mlp_bias)
+        self.down_proj = _linear(self.intermediate_size, config.hidden_size, False)
+        self.down_bias = _bias(config.hidden_size, traits.mlp_bias)
+        self.tp = tp
         self.act_fn = ACT2FN[config.hidden_act]
         self.fused_silu = fused if config.hidden_act == "silu" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.fused_silu is not None:
-            return self.down_proj(self.fused_silu.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)
+            hidden = self.fused_silu.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            hidden = self.act_fn(gate) * up
+        out = self.tp.all_reduce(self.down_proj(hidden))
+        return out if self.down_bias is None else out.add_(self.down_bias)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, traits: ArchitectureTraits, attention: AttentionBackend,
-                 fused: CpuFusedOps | None) -> None:
+                 fused: CpuFusedOps | None, layout: ShardLayout, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = Attention(config, traits, attention, fused)
-        self.mlp = MLP(config, traits, fused)
+        self.self_attn = Attention(config, traits, attention, fused, layout, tp)
+        self.mlp = MLP(config, traits, fused, layout, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
@@ -126,11 +150,10 @@ class Backbone(nn.Module):
     """Embedding, decoder stack and final norm: the checkpoint's ``model.*`` tensors."""
 
     def __init__(self, config: PretrainedConfig, traits: ArchitectureTraits, attention: AttentionBackend,
-                 fused: CpuFusedOps | None) -> None:
+                 fused: CpuFusedOps | None, layout: ShardLayout, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(config, traits, attention, fused)
+        self.embed_tokens = VocabParallelEmbedding(layout, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, traits, attention, fused, layout, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
@@ -143,6 +166,9 @@ class CausalLM(nn.Module):
     ``checkpoint_sources``. Build it on the meta device and let the loader
     assign real tensors. ``fused``: compiled elementwise steps for float32 on
     a CPU (:mod:`pagedllm.models.cpu_fused_ops`); ``None`` keeps torch ops.
+    ``tp``: this process's rank in its tensor-parallel group; the model holds
+    that rank's share (``num_heads``, ``num_kv_heads`` are per rank).
+    ``ValueError`` when the group's size cannot split the model.
     """
 
     def __init__(
@@ -152,39 +178,61 @@ class CausalLM(nn.Module):
         attention: AttentionBackend,
         device: torch.device,
         fused: CpuFusedOps | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.config = config
         self.traits = traits
         self.attention = attention  # whose plan(metadata) the caller runs once per step
+        self.tp = tp
+        self.layout = shard_layout(model_shape(config), tp.rank, tp.size)
         self.num_layers: int = config.num_hidden_layers
-        self.num_heads: int = config.num_attention_heads
-        self.num_kv_heads: int = config.num_key_value_heads
+        self.num_heads: int = self.layout.num_heads
+        self.num_kv_heads: int = self.layout.num_kv_heads
         self.head_dim: int = head_dim_of(config)
         self.vocab_size: int = config.vocab_size
         self.hidden_size: int = config.hidden_size
         self.sliding_window: int | None = traits.sliding_window
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = Backbone(config, traits, attention, fused)
+        self.model = Backbone(config, traits, attention, fused, self.layout, tp)
         # None: the embedding's weight (tied), unless the loader packed a copy of it for the CPU.
         self.lm_head: nn.Module | None = (None if self.tie_word_embeddings
-                                          else _linear(config.hidden_size, config.vocab_size, False))
+                                          else _linear(config.hidden_size, self.layout.vocab_per_rank, False))
         self.rotary = RotaryEmbedding(config, device)
 
-    def checkpoint_sources(self) -> dict[str, list[str]]:
-        """Each parameter's checkpoint tensor names, concatenated along dim 0 in order."""
-        sources: dict[str, list[str]] = {}
+    def checkpoint_sources(self) -> dict[str, ParameterSource]:
+        """Each parameter's checkpoint tensors (this rank's rows of them), concatenated along dim 0 in order."""
+        layout = self.layout
+        sources: dict[str, ParameterSource] = {}
         for name, _ in self.named_parameters():
             prefix, _, leaf = name.rpartition(".")
+            parts: tuple[TensorPart, ...]
             if prefix.endswith("qkv_proj"):
                 base = prefix.removesuffix("qkv_proj")
-                sources[name] = [f"{base}{part}_proj.{leaf}" for part in "qkv"]
+                q, kv = layout.q_rows(), layout.kv_rows()
+                parts = tuple(TensorPart(f"{base}{part}_proj.{leaf}", rows) for part, rows in zip("qkv", (q, kv, kv)))
             elif prefix.endswith("gate_up_proj"):
                 base = prefix.removesuffix("gate_up_proj")
-                sources[name] = [f"{base}{part}_proj.{leaf}" for part in ("gate", "up")]
+                parts = tuple(TensorPart(f"{base}{part}_proj.{leaf}", layout.mlp_rows()) for part in ("gate", "up"))
+            elif name.endswith("o_bias"):
+                parts = (TensorPart(name.removesuffix("o_bias") + "o_proj.bias"),)
+            elif name.endswith("down_bias"):
+                parts = (TensorPart(name.removesuffix("down_bias") + "down_proj.bias"),)
             else:
-                sources[name] = [name]
+                parts = (TensorPart(name, self._rows_of(name)),)
+            sources[name] = ParameterSource(parts)
         return sources
+
+    def _rows_of(self, name: str) -> RowRange | None:
+        """This rank's rows of a checkpoint tensor stored whole under the parameter's own name."""
+        layout = self.layout
+        if name.endswith("o_proj.weight"):
+            return layout.o_columns()
+        if name.endswith("down_proj.weight"):
+            return layout.down_columns()
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return layout.vocab_rows()
+        return None
 
     def forward(
         self,
@@ -212,8 +260,10 @@ class CausalLM(nn.Module):
                 "sliding-window attention is not implemented, so cap max_model_len at the window"
             )
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 logits [N, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] -> float32 logits [N, vocab] on rank 0; ``None`` on the other ranks, which only send theirs."""
         if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        return gather_vocab(logits, self.tp, self.vocab_size)

@@ -3,7 +3,10 @@
 Reads the config with ``AutoConfig`` and the weights with ``safetensors``
 (one ``model.safetensors`` or shards listed in ``model.safetensors.index.json``),
 straight into the target dtype and device: the model is built on the meta
-device, so no throwaway random initialisation is ever allocated.
+device, so no throwaway random initialisation is ever allocated. Under tensor
+parallelism each rank reads only its own rows of each tensor
+(``safe_open(...).get_slice``), so its peak host memory is about its share of
+the weights, not the whole checkpoint.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import json
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -22,6 +26,8 @@ from pagedllm.models.cpu_dtypes import warn_if_emulated
 from pagedllm.models.cpu_fused_ops import cpu_fused_ops
 from pagedllm.models.cpu_linear import pack_linears, packed_linear, packed_linear_choice
 from pagedllm.models.llama import CausalLM
+from pagedllm.models.tensor_parallel import TensorPart
+from pagedllm.parallel.group import SINGLE, TensorParallel
 
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -32,6 +38,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     attention: AttentionBackend,
+    tp: TensorParallel = SINGLE,
 ) -> CausalLM:
     """Build the model for ``model_dir`` and fill it with the checkpoint's weights.
 
@@ -39,8 +46,8 @@ def load_model(
     elementwise steps run fused (:mod:`pagedllm.models.cpu_fused_ops`).
     Logs a warning when ``dtype`` is a half type this CPU only emulates (see
     :mod:`pagedllm.models.cpu_dtypes`). Raises ``ValueError`` for an unsupported architecture, a directory without
-    safetensors weights, or a checkpoint whose tensors do not match the model
-    (names of missing and unexpected tensors are listed).
+    safetensors weights, a checkpoint whose tensors do not match the model
+    (names of missing and unexpected tensors are listed), or a ``tp`` group the model cannot be split over.
     """
     model_dir = Path(model_dir)
     device = torch.device(device)
@@ -49,10 +56,10 @@ def load_model(
     config = AutoConfig.from_pretrained(model_dir)
     traits = resolve_architecture(config)
     with torch.device("meta"):
-        model = CausalLM(config, traits, attention, device, cpu_fused_ops(dtype, device))
+        model = CausalLM(config, traits, attention, device, cpu_fused_ops(dtype, device), tp)
     files = checkpoint_files(model_dir)
     sources = model.checkpoint_sources()
-    wanted = {name for names in sources.values() for name in names}
+    wanted = {part.name for source in sources.values() for part in source.parts}
     with ExitStack() as stack:
         handles = {path: stack.enter_context(safe_open(str(path), framework="pt", device=str(device))) for path in files}
         location = {name: path for path, handle in handles.items() for name in handle.keys()}
@@ -65,8 +72,8 @@ def load_model(
                 f"unexpected tensors {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}"
             )
         state = {
-            param: _concat(handles[location[name]].get_tensor(name) for name in names).to(dtype)
-            for param, names in sources.items()
+            param: _concat(_read(handles[location[part.name]], part) for part in source.parts).to(dtype)
+            for param, source in sources.items()
         }
     expected_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     wrong = [f"{name}: {tuple(t.shape)} != {expected_shapes[name]}" for name, t in state.items()
@@ -98,6 +105,22 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     if single.is_file():
         return [single]
     raise ValueError(f"no {SINGLE_FILE} or {SHARD_INDEX} in {model_dir}; only safetensors checkpoints are supported")
+
+
+def _read(handle: Any, part: TensorPart) -> torch.Tensor:
+    """The part's tensor, or only its rows (zero-padded up to the rank's share) without reading the rest."""
+    if part.rows is None:
+        return handle.get_tensor(part.name)
+    rows = part.rows
+    tensor_slice = handle.get_slice(part.name)
+    index: list[slice] = [slice(None)] * len(tensor_slice.get_shape())
+    index[rows.dim] = slice(rows.start, rows.stop)
+    tensor = tensor_slice[tuple(index)]
+    if rows.size < rows.padded:
+        pad = list(tensor.shape)
+        pad[rows.dim] = rows.padded - rows.size
+        tensor = torch.cat([tensor, tensor.new_zeros(pad)], dim=rows.dim)
+    return tensor
 
 
 def _concat(tensors: Iterator[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,74 @@
+"""This process's place in the tensor-parallel group, and the collectives the forward calls.
+
+The group is torch.distributed's default process group (gloo on CPU, NCCL on
+CUDA), joined through its env rendezvous (``MASTER_ADDR``, ``MASTER_PORT``,
+``RANK``, ``WORLD_SIZE``). One engine per process, so the default group is
+the engine's. At size 1 every collective is a no-op and nothing is imported
+or initialised, so the single-device engine runs exactly as before.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# A step's collectives wait at most this long for a peer (a long prefill on a slow rank takes seconds,
+# a dead peer is noticed at once by gloo's closed connection; NCCL needs the bound).
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=15)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallel:
+    """Rank ``rank`` of ``size``; ``size == 1`` means no group at all."""
+
+    rank: int = 0
+    size: int = 1
+    device: torch.device = torch.device("cpu")  # where this rank's collective buffers live
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise sum over the ranks, in place."""
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0: every rank's ``x`` side by side along the last dimension; the other ranks: ``None``."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        if not self.is_first:
+            dist.gather(x, None, dst=0)
+            return None
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.gather(x, parts, dst=0)
+        return torch.cat(parts, dim=-1)
+
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's ``value`` (each rank's KV budget: the cache is as small as the least)."""
+        if self.size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return int(tensor.item())
+
+
+SINGLE = TensorParallel()
+
+
+def join_group(rank: int, size: int, device: torch.device) -> TensorParallel:
+    """Join the default process group from the environment's rendezvous; blocks until every rank has."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT, **kwargs)
+    return TensorParallel(rank, size, device)
+
+
+def leave_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
