@@ -13,6 +13,8 @@ from pagedllm.engine.cpu_binding import check_setting
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _ATTENTION_BACKENDS = ("auto", "triton", "torch", "torch-reference")
 _SCHEDULING = ("continuous", "static")
+# KV cache storage: "auto" keeps the model's dtype; the fp8 formats store scaled 8-bit values (pagedllm.worker.kv_quant).
+_KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,12 @@ class EngineConfig:
     cpu_bind: str = "auto"
     # Replay decode steps as CUDA graphs (pagedllm.worker.cuda_graphs); CUDA with the triton backend only.
     cuda_graphs: bool = False
+    # Ranks the model is split over (pagedllm.parallel): one GPU each on CUDA (NCCL), one process each on a CPU (gloo).
+    tensor_parallel_size: int = 1
+    # K/V stored in 8 bits with per-layer scales: the checkpoint's, else 1.0, else (calculate_kv_scales)
+    # measured on the first prefill.
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
         _require(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", self.dtype, f"one of auto, {', '.join(_DTYPES)}")
@@ -68,10 +76,17 @@ class EngineConfig:
         _require(isinstance(self.cpu_bind, str) and _valid_cpu_bind(self.cpu_bind), "cpu_bind", self.cpu_bind,
                  "auto, off or a CPU list such as '1' or '2-7,10'")
         _require(isinstance(self.cuda_graphs, bool), "cuda_graphs", self.cuda_graphs, "true or false")
+        _require(isinstance(self.tensor_parallel_size, int) and not isinstance(self.tensor_parallel_size, bool)
+                 and self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size,
+                 "a positive integer")
         _require(not self.cuda_graphs or self.device != "cpu", "cuda_graphs", self.cuda_graphs,
                  "false with device=cpu: CUDA graphs need a CUDA device")
         _require(not self.cuda_graphs or self.attention_backend in ("auto", "triton"), "cuda_graphs", self.cuda_graphs,
                  "false unless attention_backend is auto or triton: only the Triton kernels plan from shapes alone")
+        _require(self.kv_cache_dtype in _KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
+                 f"one of {', '.join(_KV_CACHE_DTYPES)}")
+        _require(isinstance(self.calculate_kv_scales, bool), "calculate_kv_scales", self.calculate_kv_scales,
+                 "true or false")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> EngineConfig:

@@ -35,6 +35,8 @@ def unified_attention_kernel(
     query_start_loc_ptr,  # int [num_seqs + 1]
     seq_lens_ptr,  # int [num_seqs]
     block_table_ptr,  # int [num_seqs, max_blocks_per_seq]
+    k_scale_ptr,  # fp32 [1]: an 8-bit k_cache's scale, read only when KV_QUANT
+    v_scale_ptr,  # fp32 [1]: an 8-bit v_cache's scale, read only when KV_QUANT
     qk_scale,  # softmax scale * log2(e)
     num_seqs,
     num_heads,
@@ -55,6 +57,7 @@ def unified_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr,  # compute in fp32: fp32 inputs, and the interpreter (wrong bf16 arithmetic)
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # 8-bit K/V: converted to q's dtype as loaded, scales folded in (below)
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -93,6 +96,10 @@ def unified_attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     query_abs = context_len + query_pos
+    if KV_QUANT:
+        # q . (k8 * k_scale) = (q . k8) * k_scale, and sum p (v8 * v_scale) = v_scale * sum p v8:
+        # one multiply per score and one per output row instead of one per loaded element.
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
 
     # The last query of this block sees keys [0, kv_end); later keys are masked for all rows.
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
@@ -122,6 +129,9 @@ def unified_attention_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        elif KV_QUANT:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         visible = key_valid[None, :] & (offs_n[None, :] <= query_abs[:, None])
@@ -135,6 +145,8 @@ def unified_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if KV_QUANT:
+        acc = acc * tl.load(v_scale_ptr)
     if NUM_SPLITS == 1:
         result = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od

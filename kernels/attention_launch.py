@@ -18,6 +18,8 @@ from pagedllm.kernels.launch_support import (
     require_same_device,
     runnable,
 )
+from pagedllm.kernels.kv_write import kv_scale_or_one
+from pagedllm.kernels.reference import FP8_DTYPES
 
 MAX_HEAD_DIM = 256
 LOG2_E = math.log2(math.e)
@@ -32,6 +34,8 @@ def unified_attention(
     block_table: torch.Tensor,  # int32 [num_seqs, max_blocks_per_seq]
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    k_scale: torch.Tensor | None = None,  # fp32 [1]: an 8-bit k_cache's scale (None: 1.0)
+    v_scale: torch.Tensor | None = None,  # fp32 [1]: an 8-bit v_cache's scale (None: 1.0)
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
@@ -44,7 +48,8 @@ def unified_attention(
     :func:`plan_unified_attention` once per step and :func:`unified_attention_planned`
     per layer instead, so the checks, tiling and buffers are not redone per layer.
     """
-    return unified_attention_with_splits(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, out)
+    return unified_attention_with_splits(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, out,
+                                         k_scale=k_scale, v_scale=v_scale)
 
 
 def unified_attention_with_splits(
@@ -57,11 +62,13 @@ def unified_attention_with_splits(
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     num_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`unified_attention` with the split-KV choice exposed: ``None`` = heuristic,
     1 = single pass, ``n > 1`` = flash-decoding with ``n`` key slices (any batch)."""
     step = plan_unified_attention(query_start_loc, seq_lens, block_table)
-    return unified_attention_planned(q, k_cache, v_cache, step, scale, out, num_splits)
+    return unified_attention_planned(q, k_cache, v_cache, step, scale, out, num_splits, k_scale, v_scale)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +124,8 @@ def unified_attention_planned(
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     num_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,  # fp32 [1]: an 8-bit k_cache's scale (None: 1.0)
+    v_scale: torch.Tensor | None = None,  # fp32 [1]: an 8-bit v_cache's scale (None: 1.0)
 ) -> torch.Tensor:
     """:func:`unified_attention_with_splits` for a step planned by :func:`plan_unified_attention`."""
     if not isinstance(step, AttentionStepPlan):
@@ -134,14 +143,17 @@ def unified_attention_planned(
     part_acc, part_max, part_sum = (out, out, out) if launch.partials is None else launch.partials
     kernel = runnable(unified_attention_kernel, q.device)
     upcast = q.dtype == torch.float32 or is_interpreted(kernel)
+    quant = k_cache.dtype in FP8_DTYPES
+    if quant:
+        k_scale, v_scale = kv_scale_or_one(k_scale, q.device), kv_scale_or_one(v_scale, q.device)
     kernel[launch.grid](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum,
-        step.query_start_loc, step.seq_lens, step.block_table,
+        step.query_start_loc, step.seq_lens, step.block_table, k_scale if quant else q, v_scale if quant else q,
         float(scale) * LOG2_E, step.num_seqs, q.shape[1], launch.tiles_per_split,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *step.block_table.stride(),
         HEAD_DIM=q.shape[2], HEAD_PAD=tiles.head_pad, GROUP=tiles.group, GROUP_PAD=tiles.group_pad,
         BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m, TILE_N=tiles.tile_n, BLOCK_SIZE=k_cache.shape[1],
-        NUM_SPLITS=tiles.num_splits, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
+        NUM_SPLITS=tiles.num_splits, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32", KV_QUANT=quant,
         num_warps=tiles.num_warps,
     )
     if launch.partials is not None:
@@ -227,8 +239,9 @@ def _validate_geometry(
     require_ndim("q", q, 3)
     require_ndim("k_cache", k_cache, 4)
     require_dtype("q", q, FLOAT_DTYPES)
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"k_cache/v_cache dtypes {k_cache.dtype}/{v_cache.dtype} must match q's {q.dtype}")
+    if v_cache.dtype != k_cache.dtype or k_cache.dtype not in (q.dtype, *FP8_DTYPES):
+        raise ValueError(f"k_cache/v_cache dtypes {k_cache.dtype}/{v_cache.dtype} must both be q's {q.dtype} "
+                         "or both one 8-bit format")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache shape {tuple(v_cache.shape)} differs from k_cache shape {tuple(k_cache.shape)}")
     num_tokens, num_heads, head_dim = q.shape

@@ -13,6 +13,7 @@ from pagedllm.kernels.launch_support import (
     runnable,
     require_same_device,
 )
+from pagedllm.kernels.reference import FP8_DTYPES
 
 # Elements of one block copied per program.
 MAX_CHUNK = 2048
@@ -74,7 +75,7 @@ def _validate(caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
         raise ValueError(f"block_mapping must be [num_pairs, 2], got shape {tuple(block_mapping.shape)}")
     first = caches[0]
     require_ndim("kv_caches[0][0]", first, 4)
-    require_dtype("kv_caches[0][0]", first, FLOAT_DTYPES)
+    require_dtype("kv_caches[0][0]", first, FLOAT_DTYPES + FP8_DTYPES)
     for index, cache in enumerate(caches):
         name = f"kv_caches[{index // 2}][{index % 2}]"
         if cache.shape != first.shape or cache.dtype != first.dtype:

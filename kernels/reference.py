@@ -6,6 +6,29 @@ from __future__ import annotations
 
 import torch
 
+# 8-bit KV cache formats: a cache of one of these dtypes holds ``clamp(x / scale)`` and reads back as
+# ``stored * scale``, with one scale per layer for K and one for V (fp32 tensors of one element).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_kv_ref(x: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
+    """``x / scale`` in ``dtype``, saturated at its largest finite value: out-of-range values never wrap to
+    inf or NaN. Division in float32 and round-to-nearest-even, as the Triton-lang write does."""
+    largest = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-largest, largest).to(dtype)
+
+
+def dequantize_kv_ref(stored: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
+    """What a quantized cache entry stands for, in ``dtype``."""
+    return (stored.float() * scale).to(dtype)
+
+
+def _readable(cache_rows: torch.Tensor, scale: torch.Tensor | float | None, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows as ``dtype``: dequantized for an 8-bit cache, as they are otherwise."""
+    if cache_rows.dtype in FP8_DTYPES:
+        return dequantize_kv_ref(cache_rows, 1.0 if scale is None else scale, dtype)
+    return cache_rows
+
 
 def unified_attention_ref(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -16,6 +39,8 @@ def unified_attention_ref(
     block_table: torch.Tensor,  # int32 [num_seqs, max_blocks_per_seq]
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    k_scale: torch.Tensor | None = None,  # fp32 [1]: an 8-bit k_cache's scale (None: 1.0)
+    v_scale: torch.Tensor | None = None,  # fp32 [1]: an 8-bit v_cache's scale (None: 1.0)
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
@@ -31,7 +56,7 @@ def unified_attention_ref(
     result = torch.empty_like(q) if out is None else out
     for group in _similar_length_groups(query_lens, lens):
         _attend_padded(q, k_cache, v_cache, starts[group], query_lens[group], lens[group],
-                       block_table[group.to(block_table.device)], scale, result)
+                       block_table[group.to(block_table.device)], scale, result, k_scale, v_scale)
     return result
 
 
@@ -57,6 +82,8 @@ def _attend_padded(
     block_table: torch.Tensor,  # int32 [n, max_blocks_per_seq]
     scale: float,
     result: torch.Tensor,  # [num_tokens, num_heads, head_dim], written at these sequences' tokens
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> None:
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -78,8 +105,8 @@ def _attend_padded(
     slots = blocks * block_size + key_pos % block_size  # [num_seqs, max_s]
     # Slots past a sequence's end are masked out below; they must hold finite values
     # (the runner zero-fills the cache, and only finite K/V are ever written).
-    keys = k_cache.reshape(-1, num_kv_heads, head_dim)[slots]
-    values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots]
+    keys = _readable(k_cache.reshape(-1, num_kv_heads, head_dim)[slots], k_scale, q.dtype)
+    values = _readable(v_cache.reshape(-1, num_kv_heads, head_dim)[slots], v_scale, q.dtype)
 
     query_pos = (lens - query_lens.to(device))[:, None] + torch.arange(max_q, device=device)[None, :]
     visible = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < lens[:, None, None])
@@ -100,12 +127,17 @@ def write_kv_ref(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # int64 [num_tokens]; negative = padded token, skipped
+    k_scale: torch.Tensor | None = None,  # fp32 [1]: an 8-bit k_cache's scale (None: 1.0)
+    v_scale: torch.Tensor | None = None,  # fp32 [1]: an 8-bit v_cache's scale (None: 1.0)
 ) -> None:
-    """Scatter this step's keys and values into their cache slots."""
+    """Scatter this step's keys and values into their cache slots; an 8-bit cache gets them quantized."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+    for cache, new, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
+        rows = new[keep]
+        if cache.dtype in FP8_DTYPES:
+            rows = quantize_kv_ref(rows, 1.0 if scale is None else scale, cache.dtype)
+        cache.view(-1, *cache.shape[2:])[slots] = rows.to(cache.dtype)
 
 
 def copy_blocks_ref(
