@@ -23,7 +23,8 @@ def build_parser(load_benches: bool) -> argparse.ArgumentParser:
 
     tiny = commands.add_parser("make-tiny-model", help="write a random-weight checkpoint for tests and benchmarks")
     tiny.add_argument("directory", type=Path)
-    tiny.add_argument("--arch", choices=("llama", "mistral", "qwen2", "qwen3"), default="llama")
+    tiny.add_argument("--arch", choices=("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe"),
+                      default="llama")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--size", choices=("tiny", "small"), default="tiny")
     tiny.set_defaults(handler=_make_tiny_model)

@@ -11,7 +11,13 @@ Each architecture exercises a different code path of the native model:
 * llama:   untied head, llama3 rope scaling (``rope_parameters``), GQA;
 * mistral: untied head, a ``sliding_window`` larger than the context;
 * qwen2:   q/k/v bias, tied embeddings;
-* qwen3:   per-head q/k RMSNorm, explicit ``head_dim`` != hidden / heads.
+* qwen3:   per-head q/k RMSNorm, explicit ``head_dim`` != hidden / heads;
+* mixtral: 8 experts, top-2 (renormalised), every layer sparse;
+* qwen3_moe: 16 experts, top-4, ``norm_topk_prob``, layer 1 dense (``mlp_only_layers``), q/k norms;
+* qwen2_moe: 12 experts, top-4, no renormalisation, a gated shared expert, every second layer sparse
+  (``decoder_sparse_step``), q/k/v bias.
+
+``overrides`` replaces config keys (tests vary the routing and the dense/sparse mix with it).
 
 Weights use a large ``initializer_range`` so logits are peaked and greedy
 decoding has no near-ties; norm weights and biases are perturbed away from
@@ -20,7 +26,7 @@ their 1/0 initial values so a loader that dropped them would be caught.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,12 +38,18 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from pagedllm.testing.tokenizer_training import python_stdlib_texts, train_bpe_tokenizer
@@ -47,6 +59,9 @@ ARCHES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "mixtral": (MixtralConfig, MixtralForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
 }
 
 
@@ -71,7 +86,8 @@ INITIALIZER_RANGE = 0.15
 EOS_TOKEN_ID = 0  # ``<|endoftext|>`` in every tokenizer from pagedllm.testing.tokenizer_training
 
 
-def make_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, size: str = "tiny") -> Path:
+def make_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, size: str = "tiny",
+                    overrides: Mapping[str, Any] | None = None) -> Path:
     """Write a random-weight ``arch`` checkpoint of ``size`` into ``out_dir`` and return it."""
     if arch not in ARCHES:
         raise ValueError(f"arch must be one of {sorted(ARCHES)}, got {arch!r}")
@@ -84,7 +100,7 @@ def make_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, size: str
         python_stdlib_texts(limit_bytes=shape.tokenizer_corpus_bytes), shape.vocab_size, out_dir
     )
     config_cls, model_cls = ARCHES[arch]
-    config = config_cls(**_config_kwargs(arch, shape, vocab_size=len(tokenizer)))
+    config = config_cls(**{**_config_kwargs(arch, shape, vocab_size=len(tokenizer)), **(overrides or {})})
     torch.manual_seed(seed)
     with torch.device("cpu"):
         model = model_cls(config)
@@ -128,6 +144,16 @@ def _config_kwargs(arch: str, shape: ModelSize, vocab_size: int) -> dict[str, An
         kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
     elif arch == "qwen3":
         kwargs["head_dim"] = 3 * shape.hidden_size // (2 * shape.num_heads)
+    elif arch == "mixtral":
+        # Mixtral's intermediate_size is each expert's.
+        kwargs.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=shape.intermediate_size // 4)
+    elif arch == "qwen3_moe":
+        kwargs.update(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=shape.intermediate_size // 4,
+                      norm_topk_prob=True, mlp_only_layers=[1], head_dim=3 * shape.hidden_size // (2 * shape.num_heads))
+    elif arch == "qwen2_moe":
+        kwargs.update(num_experts=12, num_experts_per_tok=4, moe_intermediate_size=shape.intermediate_size // 4,
+                      shared_expert_intermediate_size=shape.intermediate_size // 2, norm_topk_prob=False,
+                      decoder_sparse_step=2)
     return kwargs
 
 
