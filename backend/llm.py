@@ -56,6 +56,16 @@ class LLM:
                     bar.update(int(out.finished))
         return [results[rid] for rid in request_ids]
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel workers (a no-op at ``tensor_parallel_size=1``)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def stream(self, prompt: Prompt, sampling_params: Params | None = None) -> Iterator[RequestOutput]:
         """Yield one request's per-step deltas as the engine produces them."""
         (prompt_one,), (params_one,) = _pair([prompt], sampling_params)

@@ -28,14 +28,15 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cpu_memory import keep_freed_memory
 from pagedllm.worker.attention_backend import attention_backend_named, select_attention_backend
 from pagedllm.worker.beam_sampler import beam_candidates
-from pagedllm.worker.model_runner import BatchLimits, ModelRunner
+from pagedllm.worker.model_runner import BatchLimits, ModelRunner, kv_budget_bytes
+from pagedllm.parallel.group import SINGLE
+from pagedllm.parallel.workers import LoadSpec, RunnerSpec, WorkerGroup, check_size
 from pagedllm.worker.sampler import (PenaltyState, SampledToken, Sampler, SamplingRow, make_generator,
                                      needs_penalties)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "default_model"
-_CPU_KV_BUDGET_BYTES = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,14 +81,28 @@ class LLMEngine:
                      else attention_backend_named(config.attention_backend))
         checkpoint_dtype = _checkpoint_dtype(model_dir)
         self.dtype = config.torch_dtype(checkpoint_dtype)
-        self.model: CausalLM = load_model(model_dir, self.dtype, self.device, attention)
-        self.max_model_len = _max_model_len(self.model, config.max_model_len)
+        # Rank 0 of a tensor-parallel group is this engine; the other ranks only run forwards (pagedllm.parallel).
+        self.workers: WorkerGroup | None = None
+        tp = SINGLE
+        if config.tensor_parallel_size > 1:
+            check_size(config.tensor_parallel_size, self.device)
+            self.workers = WorkerGroup(config.tensor_parallel_size, self.device)
+            self.workers.send(LoadSpec(config, str(model_dir), self.dtype, attention.name))
+            tp = self.workers.tp
+        try:
+            self.model: CausalLM = load_model(model_dir, self.dtype, self.device, attention, tp)
+            self.max_model_len = _max_model_len(self.model, config.max_model_len)
+            num_blocks = self._num_kv_blocks()
+            if self.workers is not None:
+                self.workers.send(RunnerSpec(num_blocks, self.max_model_len))
+            limits = BatchLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+            self.runner = ModelRunner(self.model, attention, num_blocks, config.block_size, self.dtype, self.device,
+                                      limits, cuda_graphs=config.cuda_graphs)
+        except BaseException:
+            self.close()
+            raise
         self.eos_token_ids = _eos_token_ids(model_dir, self.tokenizer)
-        num_blocks = self._num_kv_blocks()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        limits = BatchLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
-        self.runner = ModelRunner(self.model, attention, num_blocks, config.block_size, self.dtype, self.device,
-                                  limits, cuda_graphs=config.cuda_graphs)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens,
             StopPolicy(self.max_model_len, self.eos_token_ids), static_batching=config.scheduling == "static",
@@ -146,6 +161,12 @@ class LLMEngine:
         return [self._request_output(request_id, items, errors.get(request_id), request_id in aborted)
                 for request_id, items in deltas.items()]
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any; the engine cannot step afterwards."""
+        if self.workers is not None:
+            workers, self.workers = self.workers, None
+            workers.close()
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_blocks_total=self.kv.num_blocks,
@@ -164,7 +185,12 @@ class LLMEngine:
 
     def _run(self, out: SchedulerOutput, deltas: dict[str, list[CompletionDelta]], errors: dict[str, str]) -> None:
         self._track_usage(out)
-        logits = self.runner.execute(out)
+        try:
+            logits = self.runner.execute(out)
+        except Exception as error:
+            if self.workers is not None:
+                self.workers.check(error)
+            raise
         candidates = [self._beam_candidates(logits, batch) for batch in out.beams]
         if out.beams or len(out.samples) != logits.shape[0]:
             logits = logits[torch.tensor(out.sample_logit_rows, device=logits.device, dtype=torch.long)]
@@ -335,13 +361,8 @@ class LLMEngine:
         per_block = ModelRunner.bytes_per_block(self.model, config.block_size, self.dtype)
         # Never reserve more than every sequence at full length could ever use.
         enough = config.max_num_seqs * -(-self.max_model_len // config.block_size)
-        if config.kv_cache_memory_gb is not None:
-            budget = int(config.kv_cache_memory_gb * (1 << 30))
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - (1 - config.gpu_memory_utilization) * total)
-        else:
-            budget = _CPU_KV_BUDGET_BYTES
+        # Every rank holds the same blocks, so the cache is as large as the smallest rank's budget allows.
+        budget = self.model.tp.min_int(kv_budget_bytes(config, self.device))
         blocks = min(budget // per_block, enough)
         if blocks < 1:
             raise ValueError(f"no memory left for the KV cache ({budget} bytes for {per_block}-byte blocks)")

@@ -1,15 +1,21 @@
 """Runs one scheduled step through the model: flat batch in, last-token logits out."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from pagedllm.config import EngineConfig
 from pagedllm.worker.attention_backend import AttentionBackend
 from pagedllm.worker.cuda_graphs import DecodeGraphs
 from pagedllm.worker.input_batch import InputBatch, StepInputs
 from pagedllm.models import CausalLM
 from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.parallel.step_wire import broadcast_step
+
+# The KV budget on a CPU when kv_cache_memory_gb is not given.
+CPU_KV_BUDGET_BYTES = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +28,11 @@ class BatchLimits:
 
 
 class ModelRunner:
-    """Owns the model and the per-layer K/V cache tensors; replays decode steps as CUDA graphs when asked."""
+    """Owns the model and the per-layer K/V cache tensors; replays decode steps as CUDA graphs when asked.
+
+    Under tensor parallelism every rank has one, over its share of the model and of the KV heads; rank 0's
+    ``execute`` prepares the step and broadcasts it, the other ranks ``run`` what they receive.
+    """
 
     def __init__(
         self,
@@ -60,10 +70,20 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor:
         """Forward the step's tokens; returns float32 logits [num_sampled, vocab]."""
-        if step.block_copies:
-            mapping = torch.tensor(step.block_copies, dtype=torch.int64, device=self.device)
-            self.attention.copy_blocks(self.kv_caches, mapping)
         inputs = self.prepare(step)
+        if self.model.tp.size > 1:
+            broadcast_step(inputs, list(step.block_copies), self.device)
+        logits = self.run(inputs, step.block_copies)
+        if logits is None:
+            raise RuntimeError("rank 0 received no logits from the tensor-parallel gather")
+        return logits
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs, block_copies: Sequence[tuple[int, int]]) -> torch.Tensor | None:
+        """Copy-on-write copies, then the forward; logits on rank 0, ``None`` on the other ranks."""
+        if block_copies:
+            mapping = torch.tensor(block_copies, dtype=torch.int64, device=self.device)
+            self.attention.copy_blocks(self.kv_caches, mapping)
         if self.graphs is not None and (logits := self.graphs.replay(inputs)) is not None:
             return logits
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.attention.plan(inputs.attn))
@@ -72,3 +92,14 @@ class ModelRunner:
     def prepare(self, step: SchedulerOutput) -> StepInputs:
         """Flatten the scheduled chunks into one token batch and its attention layout."""
         return self.input_batch.prepare(step)
+
+
+def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
+    """Bytes this rank may fill with KV blocks: ``kv_cache_memory_gb``, else on CUDA
+    ``gpu_memory_utilization`` of the device less what is already used, else 1 GiB on a CPU."""
+    if config.kv_cache_memory_gb is not None:
+        return int(config.kv_cache_memory_gb * (1 << 30))
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free - (1 - config.gpu_memory_utilization) * total)
+    return CPU_KV_BUDGET_BYTES
