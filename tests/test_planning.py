@@ -136,5 +136,5 @@ def test_cli_says_plainly_when_a_plan_does_not_fit(capsys: pytest.CaptureFixture
     assert code == 2
     assert "does not fit: Llama-3.1-70B's weights need 131.4 GiB per GPU" in err
     assert "try:\n  - --tensor-parallel-size 8 (8 × A10G per replica) with --max-model-len" in err
-    assert main(["plan", "--model", "Llama-3.1-8B"]) == 2
+    assert main(["plan", "--model", "Llama-3.1-8B", "--json"]) == 2
     assert "no traffic to plan for" in capsys.readouterr().err

@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default="auto", help="float32, float16, bfloat16; auto: bfloat16 (float32 on cpu)")
     engine.add_argument("--kv-dtype", default="auto",
-                        help="KV cache dtype (float32, float16, bfloat16, fp8); auto: --dtype")
+                        help="KV cache dtype (float32, float16, bfloat16, fp8, fp8_e4m3, fp8_e5m2: "
+                             "the engine's kv_cache_dtype); auto: --dtype")
     engine.add_argument("--tensor-parallel-size", type=int, default=1)
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -64,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.workload is None and args.qps is None:
+            return _capacity_only(args)
         plan = _plan(args)
     except ValueError as error:  # bad input, or feasibility.PlanDoesNotFit with its suggestions
         print(f"pagedllm plan: {error}", file=sys.stderr)
@@ -79,12 +82,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan(args: argparse.Namespace) -> Any:
-    from pagedllm.planning import traffic
+def _capacity_only(args: argparse.Namespace) -> int:
+    """Without traffic: the weights, the bytes a decode step reads and the KV capacity, no replay."""
+    from pagedllm.planning import feasibility
+    from pagedllm.planning.plan import capacity_summary
+
+    if args.json or args.plot is not None or args.ttft_p99 is not None or args.tpot_p99 is not None:
+        raise ValueError("no traffic to plan for: --json, --plot and SLOs need --workload FILE or --qps Q "
+                         "(with --prompt-len, --output-len, --duration)")
+    deployment = _deployment(args)
+    print(capacity_summary(deployment, feasibility.check(deployment, ())))
+    print("(no traffic given: --workload FILE or --qps Q replays it for latency and replicas)", file=sys.stderr)
+    return 0
+
+
+def _deployment(args: argparse.Namespace) -> Any:
     from pagedllm.planning.gpu_catalog import custom_gpu, resolve_gpu, this_cpu
     from pagedllm.planning.kv_math import Deployment
     from pagedllm.planning.model_catalog import resolve_model
-    from pagedllm.planning.plan import Slo, make_plan
 
     model = resolve_model(args.model)
     custom = (args.gpu_memory_gb, args.gpu_bandwidth_gbs, args.gpu_tflops)
@@ -97,19 +112,23 @@ def _plan(args: argparse.Namespace) -> Any:
     else:
         gpu = resolve_gpu(args.gpu)
     dtype = args.dtype if args.dtype != "auto" else ("float32" if gpu.is_cpu else "bfloat16")
-    deployment = Deployment(
+    return Deployment(
         model, gpu, dtype, args.kv_dtype if args.kv_dtype != "auto" else dtype, args.tensor_parallel_size,
         args.block_size, args.gpu_memory_utilization, args.max_model_len, args.max_num_seqs,
         args.max_num_batched_tokens, args.kv_cache_memory_gb)
+
+
+def _plan(args: argparse.Namespace) -> Any:
+    from pagedllm.planning import traffic
+    from pagedllm.planning.plan import Slo, make_plan
+
+    deployment = _deployment(args)
     if args.workload is not None:
         requests = traffic.from_workload_file(args.workload, args.qps, args.seed)
-    elif args.qps is not None:
+    else:  # --qps (run() took the traffic-free case)
         requests = traffic.synthetic(args.qps, args.duration,
                                      traffic.LengthDistribution.parse(args.prompt_len, "--prompt-len"),
                                      traffic.LengthDistribution.parse(args.output_len, "--output-len"), args.seed)
-    else:
-        raise ValueError("no traffic to plan for: give --workload FILE or --qps Q (with --prompt-len, --output-len, "
-                         "--duration)")
     step_model = _step_model(args, deployment)
     counts = [int(c) for c in args.plot_replicas.split(",") if c] if args.plot is not None else []
     return make_plan(deployment, requests, step_model, Slo(args.ttft_p99, args.tpot_p99),

@@ -16,7 +16,8 @@ import numpy as np
 from pagedllm.planning.gpu_catalog import GIB, Accelerator
 from pagedllm.planning.model_catalog import ModelSpec
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
+# "fp8", "fp8_e4m3", "fp8_e5m2": an 8-bit KV cache (the engine's kv_cache_dtype names the last two).
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 CPU_KV_BUDGET_BYTES = GIB  # the engine's default KV budget on the CPU
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 
@@ -85,18 +86,24 @@ def weights_bytes_per_gpu(model: ModelSpec, dtype: str, tensor_parallel_size: in
     tp = tensor_parallel_size
     kv_width = kv_heads_per_gpu(model, tp) * model.head_dim
     q_width = model.num_heads * model.head_dim // tp
-    per_layer = (2 * model.hidden_size * q_width + 2 * model.hidden_size * kv_width
-                 + 3 * model.hidden_size * model.intermediate_size // tp)
+    per_layer = 2 * model.hidden_size * q_width + 2 * model.hidden_size * kv_width
     if model.qkv_bias:
         per_layer += q_width + 2 * kv_width
-    params = model.num_layers * per_layer + model.embedding_params // tp + model.norm_params
+    # Gated MLPs and every expert split by their intermediate rows (each rank holds a slice of every expert).
+    params = model.num_layers * per_layer + model.mlp_params // tp + model.embedding_params // tp + model.norm_params
     return params * DTYPE_BYTES[dtype]
+
+
+def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, element_bytes: int) -> int:
+    """K and V of one block in every layer: what the engine allocates per block
+    (``ModelRunner.bytes_per_block``) and what this planner counts, so the two agree."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_bytes
 
 
 def kv_bytes_per_token(model: ModelSpec, kv_dtype: str, tensor_parallel_size: int) -> int:
     """K and V of one token in every layer, on one GPU."""
     heads = kv_heads_per_gpu(model, tensor_parallel_size)
-    return 2 * model.num_layers * heads * model.head_dim * DTYPE_BYTES[kv_dtype]
+    return kv_block_bytes(model.num_layers, heads, model.head_dim, 1, DTYPE_BYTES[kv_dtype])
 
 
 def kv_budget_bytes(deployment: Deployment, weights_bytes: int) -> int:

@@ -168,6 +168,40 @@ def _replicas_needed(requests: Seq[TimedRequest], limits: EngineLimits, clock: C
     return high
 
 
+def capacity_summary(deployment: Deployment, cap: KvCapacity) -> str:
+    """The memory side of a plan, for when no traffic is given to replay."""
+    rows = _capacity_rows(deployment, cap)
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _capacity_rows(d: Deployment, cap: KvCapacity) -> list[tuple[str, str]]:
+    return [
+        ("model", f"{d.model.name} ({d.model.num_params / 1e9:.2f}B parameters, {d.dtype}, KV {d.kv_dtype})"),
+        ("hardware", f"{d.tensor_parallel_size} × {d.gpu.name} ({d.gpu.memory_gib:.1f} GiB)"),
+        ("weights per GPU", f"{cap.weights_bytes_per_gpu / GIB:.2f} GiB"),
+        *_moe_rows(d),
+        ("KV bytes per token", f"{cap.kv_bytes_per_token:,}"),
+        ("KV blocks", f"{cap.num_kv_blocks:,} × {d.block_size} tokens = {cap.kv_tokens:,} tokens "
+                      f"({cap.kv_budget_bytes / GIB:.2f} GiB)"),
+        ("max concurrency", f"{cap.max_concurrency:.2f}× at max_model_len {cap.max_model_len:,}"),
+    ]
+
+
+def _moe_rows(d: Deployment) -> list[tuple[str, str]]:
+    """A mixture of experts: parameters a token uses, and the weight bytes a decode step reads at 1 and at
+    ``max_num_seqs`` running sequences (the experts their tokens are expected to touch)."""
+    model = d.model
+    if not model.is_moe:
+        return []
+    cost = ModelCost.of(model, d.dtype, d.kv_dtype, d.tensor_parallel_size)
+    read = [f"{cost.weight_bytes_read(b) / GIB:.2f} GiB at {b} seqs ({model.experts_touched(b):.1f} experts)"
+            for b in sorted({1, 16, d.max_num_seqs})]
+    return [("active parameters", f"{model.active_params / 1e9:.2f}B per token ({model.experts_per_token} of "
+                                  f"{model.num_experts} experts a layer)"),
+            ("active bytes per decode step", ", ".join(read) + " per GPU")]
+
+
 def _seconds(value: float | None) -> str:
     return "–" if value is None else f"{value:.3g} s"
 
@@ -176,13 +210,7 @@ def summary(plan: Plan) -> str:
     """The plan as the text table ``pagedllm plan`` prints."""
     cap, run, d = plan.capacity, plan.replay, plan.deployment
     rows = [
-        ("model", f"{d.model.name} ({d.model.num_params / 1e9:.2f}B parameters, {d.dtype}, KV {d.kv_dtype})"),
-        ("hardware", f"{d.tensor_parallel_size} × {d.gpu.name} ({d.gpu.memory_gib:.1f} GiB)"),
-        ("weights per GPU", f"{cap.weights_bytes_per_gpu / GIB:.2f} GiB"),
-        ("KV bytes per token", f"{cap.kv_bytes_per_token:,}"),
-        ("KV blocks", f"{cap.num_kv_blocks:,} × {d.block_size} tokens = {cap.kv_tokens:,} tokens "
-                      f"({cap.kv_budget_bytes / GIB:.2f} GiB)"),
-        ("max concurrency", f"{cap.max_concurrency:.2f}× at max_model_len {cap.max_model_len:,}"),
+        *_capacity_rows(d, cap),
         ("step-time model", plan.step_model.source),
         ("requests", f"{len(plan.requests)} ({sum(r.max_tokens * r.n for r in plan.requests):,} output tokens)"),
         ("engine steps", f"{run.steps:,}"),

@@ -2,12 +2,13 @@
 
     seconds = overhead + per_seq × sequences + max(bytes × s_per_byte, FLOPs × s_per_flop)
 
-A step reads every weight once and the K/V of every scheduled sequence's
-context (``bytes``); it multiplies each scheduled token through the layers,
-the LM head only for the sampled rows, and attends each query token to its
-context (``FLOPs``). ``overhead`` is what a step costs whatever its size
-(Python scheduling, kernel launches); ``per_seq`` what each sequence adds to
-it (input building, sampling, detokenizing).
+A step reads every weight once (of a mixture of experts, only the experts its
+tokens chose) and the K/V of every scheduled sequence's context (``bytes``); it
+multiplies each scheduled token through the layers, the LM head only for the
+sampled rows, and attends each query token to its context (``FLOPs``).
+``overhead`` is what a step costs whatever its size (Python scheduling, kernel
+launches); ``per_seq`` what each sequence adds to it (input building,
+sampling, detokenizing).
 
 Uncalibrated, the coefficients come from the accelerator's data sheet at
 achievable fractions of peak; ``fit`` replaces them with least-squares values
@@ -24,8 +25,8 @@ import numpy as np
 
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.planning.gpu_catalog import Accelerator
-from pagedllm.planning.kv_math import kv_bytes_per_token, kv_heads_per_gpu, weights_bytes_per_gpu
-from pagedllm.planning.model_catalog import ModelSpec
+from pagedllm.planning.kv_math import DTYPE_BYTES, kv_bytes_per_token, kv_heads_per_gpu, weights_bytes_per_gpu
+from pagedllm.planning.model_catalog import ModelSpec, expected_experts_touched
 
 # Achievable shares of the data-sheet peaks for a well-tuned decode (bandwidth) and prefill (tensor cores).
 DEFAULT_BANDWIDTH_EFFICIENCY = 0.8
@@ -62,29 +63,42 @@ class StepShape:
 class ModelCost:
     """Bytes and FLOPs per unit of a step, for one model on one GPU of its tensor-parallel group."""
 
-    weights_bytes: int
+    weights_bytes: int  # all of them (memory)
     kv_bytes_per_token: int
-    flops_per_token: int  # every matmul of the decoder layers
+    flops_per_token: int  # every matmul of the decoder layers (a mixture of experts: the chosen experts only)
     flops_per_sampled: int  # the LM head, computed for sampled rows only
     flops_per_pair: int  # QK^T and PV over all heads and layers
+    # A mixture of experts reads only the experts its step's tokens chose (ModelSpec.experts_touched).
+    expert_bytes: int = 0  # one expert of every sparse layer
+    num_experts: int = 0
+    experts_per_token: int = 0
 
     @classmethod
     def of(cls, model: ModelSpec, dtype: str, kv_dtype: str, tensor_parallel_size: int = 1) -> ModelCost:
         tp = tensor_parallel_size
         kv_width = kv_heads_per_gpu(model, tp) * model.head_dim
         q_width = model.num_heads * model.head_dim // tp
-        layer = 2 * model.hidden_size * q_width + 2 * model.hidden_size * kv_width
-        layer += 3 * model.hidden_size * model.intermediate_size // tp
+        attention = model.num_layers * (2 * model.hidden_size * q_width + 2 * model.hidden_size * kv_width)
+        active_mlp = model.mlp_params - model.idle_expert_params
         return cls(
             weights_bytes=weights_bytes_per_gpu(model, dtype, tp),
             kv_bytes_per_token=kv_bytes_per_token(model, kv_dtype, tp),
-            flops_per_token=2 * model.num_layers * layer,
+            flops_per_token=2 * (attention + active_mlp // tp),
             flops_per_sampled=2 * model.hidden_size * model.vocab_size // tp,
             flops_per_pair=4 * model.num_layers * q_width,
+            expert_bytes=model.num_sparse_layers * model.expert_params // tp * DTYPE_BYTES[dtype],
+            num_experts=model.num_experts,
+            experts_per_token=model.experts_per_token,
         )
 
+    def weight_bytes_read(self, num_tokens: int) -> float:
+        """Weight bytes a step of ``num_tokens`` reads: all of a dense model; a mixture of experts skips the
+        experts none of its tokens chose (expected count for independent, uniform routing)."""
+        touched = expected_experts_touched(self.num_experts, self.experts_per_token, num_tokens)
+        return self.weights_bytes - self.expert_bytes * (self.num_experts - touched)
+
     def bytes(self, shape: StepShape) -> float:
-        return self.weights_bytes + self.kv_bytes_per_token * shape.kv_tokens_read
+        return self.weight_bytes_read(shape.num_tokens) + self.kv_bytes_per_token * shape.kv_tokens_read
 
     def flops(self, shape: StepShape) -> float:
         return (self.flops_per_token * shape.num_tokens + self.flops_per_sampled * shape.num_sampled
