@@ -29,6 +29,9 @@ from pagedllm.worker.cpu_memory import keep_freed_memory
 from pagedllm.worker.attention_backend import attention_backend_named, select_attention_backend
 from pagedllm.worker.beam_sampler import beam_candidates
 from pagedllm.worker.model_runner import BatchLimits, ModelRunner, kv_budget_bytes
+from pagedllm.worker.kv_quant import prepare_kv_cache
+from pagedllm.models.loader import checkpoint_files
+from pagedllm.models.quantization import checkpoint_kv_cache_scales
 from pagedllm.parallel.group import SINGLE
 from pagedllm.parallel.workers import LoadSpec, RunnerSpec, WorkerGroup, check_size
 from pagedllm.worker.sampler import (PenaltyState, SampledToken, Sampler, SamplingRow, make_generator,
@@ -85,19 +88,23 @@ class LLMEngine:
         self.workers: WorkerGroup | None = None
         tp = SINGLE
         if config.tensor_parallel_size > 1:
-            check_size(config.tensor_parallel_size, self.device)
+            check_size(config.tensor_parallel_size, self.device, str(model_dir))
             self.workers = WorkerGroup(config.tensor_parallel_size, self.device)
             self.workers.send(LoadSpec(config, str(model_dir), self.dtype, attention.name))
             tp = self.workers.tp
         try:
             self.model: CausalLM = load_model(model_dir, self.dtype, self.device, attention, tp)
+            self.kv_cache_dtype = prepare_kv_cache(
+                self.model.model.layers, config.kv_cache_dtype, self.dtype, self.device,
+                checkpoint_kv_cache_scales(model_dir, checkpoint_files(model_dir), self.model.num_layers),
+                config.calculate_kv_scales)
             self.max_model_len = _max_model_len(self.model, config.max_model_len)
             num_blocks = self._num_kv_blocks()
             if self.workers is not None:
                 self.workers.send(RunnerSpec(num_blocks, self.max_model_len))
             limits = BatchLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
-            self.runner = ModelRunner(self.model, attention, num_blocks, config.block_size, self.dtype, self.device,
-                                      limits, cuda_graphs=config.cuda_graphs)
+            self.runner = ModelRunner(self.model, attention, num_blocks, config.block_size, self.kv_cache_dtype,
+                                      self.device, limits, cuda_graphs=config.cuda_graphs)
         except BaseException:
             self.close()
             raise
@@ -358,7 +365,7 @@ class LLMEngine:
         config = self.config
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
-        per_block = ModelRunner.bytes_per_block(self.model, config.block_size, self.dtype)
+        per_block = ModelRunner.bytes_per_block(self.model, config.block_size, self.kv_cache_dtype)
         # Never reserve more than every sequence at full length could ever use.
         enough = config.max_num_seqs * -(-self.max_model_len // config.block_size)
         # Every rank holds the same blocks, so the cache is as large as the smallest rank's budget allows.

@@ -28,7 +28,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from transformers import AutoConfig
+
+from pagedllm.models.tensor_parallel import model_shape
 from pagedllm.parallel.group import TensorParallel, join_group, leave_group
+from pagedllm.parallel.sharding import shard_layout
 from pagedllm.parallel.step_wire import broadcast_stop
 
 log = logging.getLogger(__name__)
@@ -134,12 +138,14 @@ class WorkerGroup:
                 process.wait()
 
 
-def check_size(size: object, device: torch.device) -> None:
-    """``ValueError`` naming tensor_parallel_size when this machine cannot place that many ranks."""
+def check_size(size: int, device: torch.device, model_dir: str) -> None:
+    """``ValueError`` naming tensor_parallel_size when the model cannot be split that way or this machine
+    cannot place that many ranks: checked before any worker starts."""
+    shard_layout(model_shape(AutoConfig.from_pretrained(model_dir)), 0, size)
     if device.type == "cuda":
         first = device.index or 0
         available = torch.cuda.device_count()
-        if first + int(size) > available:  # type: ignore[call-overload]
+        if first + size > available:
             raise ValueError(f"engine argument tensor_parallel_size={size} is invalid: it needs {size} CUDA devices "
                              f"from {device}, and this machine has {available}")
 
