@@ -21,6 +21,8 @@ Under ``pagedllm serve`` (``serving.supervision``) the model also records why it
 engine died, so the launcher reloads it, tells its in-flight streams that the engine
 is restarting, and publishes the launcher's restart count as
 ``pagedllm:engine_restarts_total``.
+Metrics (``serving.metrics``): vllm_backend's ``vllm:*`` series plus ours, unless
+config.pbtxt sets ``REPORT_CUSTOM_METRICS`` to ``"false"``.
 ``finalize`` returns within ``FINALIZE_BUDGET_S`` whatever the engine is doing: each
 in-flight stream gets a final UNAVAILABLE error.
 
@@ -49,7 +51,7 @@ from pagedllm.engine.gc_tuning import freeze_startup_heap
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.serving.cancellation import CancellationWatcher
 from pagedllm.serving.engine_args import load_engine_config
-from pagedllm.serving.metrics import TritonMetrics
+from pagedllm.serving.metrics import TritonMetrics, custom_metrics_enabled
 from pagedllm.serving.request_codec import (
     INPUT_NAMES,
     INPUT_SPECS,
@@ -107,6 +109,7 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise ValueError("model_transaction_policy.decoupled must be true for the pagedllm backend")
+        report_metrics = custom_metrics_enabled(model_config)  # a bad value fails the load before the engine starts
         version_dir = os.path.join(args["model_repository"], args["model_version"])
         engine_config = load_engine_config(version_dir)
         if args.get("model_instance_kind") == "GPU" and engine_config.device == "auto":
@@ -124,7 +127,8 @@ class TritonPythonModel:
         if self._supervision is not None:
             self._engine.step = self._supervision.with_fault_hook(self._model_name, self._engine.step)
         self._max_prompt_bytes = self._engine.max_model_len * MAX_PROMPT_BYTES_PER_TOKEN
-        self._metrics = self._create_metrics({"model": args["model_name"], "version": args["model_version"]})
+        self._metrics = (self._create_metrics({"model": args["model_name"], "version": args["model_version"]})
+                         if report_metrics else None)
         if self._metrics is not None and self._supervision is not None:
             self._metrics.count_restarts(self._supervision.restarts(self._model_name))
         self._dispatcher = ResponseDispatcher(self._send, self._send_error_now)
@@ -153,7 +157,7 @@ class TritonPythonModel:
             return pb_utils.MetricFamily(name=name, description=description, kind=kinds[kind])
 
         try:
-            return TritonMetrics(make_family, labels)
+            return TritonMetrics(make_family, labels, self._engine.max_model_len)
         except pb_utils.TritonModelException as error:
             # Raised when the server runs with --allow-metrics=false.
             self._logger.log_warn(f"[pagedllm] custom metrics unavailable: {error}")

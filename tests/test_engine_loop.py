@@ -402,7 +402,8 @@ def test_on_step_reports_stats_and_finished_request_timings() -> None:
     assert timing.finish_reasons == ("length", "length")
     assert timing.arrival < timing.first_token < timing.last_token <= timing.finished
     assert timing.time_to_first_token == timing.first_token - timing.arrival
-    assert timing.time_per_output_token == (timing.last_token - timing.first_token) / 3
+    assert len(timing.inter_token_latencies) == 3 and timing.n == 2
+    assert sum(timing.inter_token_latencies) == timing.last_token - timing.first_token
     assert reports[-1][0] == FakeStats(0, 0)
 
 

@@ -25,8 +25,8 @@ class FakeTriton:
 
             def do_GET(self) -> None:  # noqa: N802
                 fake.tokens += rate
-                self._answer(f'pagedllm:generation_tokens_total{{model="llm",version="1"}} {fake.tokens}\n'
-                             f'pagedllm:generation_tokens_total{{model="other",version="1"}} 7\n'.encode())
+                self._answer(f'vllm:generation_tokens_total{{model="llm",version="1"}} {fake.tokens}\n'
+                             f'vllm:generation_tokens_total{{model="other",version="1"}} 7\n'.encode())
 
             def _answer(self, body: bytes) -> None:
                 try:

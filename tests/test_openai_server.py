@@ -115,7 +115,8 @@ def greedy(offline: LLM, prompt: str, max_tokens: int, **extra: object) -> tuple
 
 
 def metric(metrics_url: str, name: str) -> float:
-    match = re.search(rf"^pagedllm:{name}\{{[^}}]*\}} (\S+)$", requests.get(metrics_url, timeout=10).text, re.M)
+    text = requests.get(metrics_url, timeout=10).text
+    match = re.search(rf"^(?:vllm|pagedllm):{name}\{{[^}}]*\}} (\S+)$", text, re.M)
     assert match, f"{name} is missing from /metrics"
     return float(match.group(1))
 

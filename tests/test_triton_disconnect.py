@@ -57,14 +57,14 @@ def generated_after_hanging_up(server: TritonServer, body: dict[str, object], pa
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # the first event is on its way: it is generating
     # Also for a stream: the metrics must show this request before the wait below may trust a
     # "nothing running" (an earlier snapshot says that too, and the request then outlives the test).
-    wait_for_metrics(server, lambda m: m.get("pagedllm:generation_tokens_total", 0)
-                     > before.get("pagedllm:generation_tokens_total", 0))
+    wait_for_metrics(server, lambda m: m.get("vllm:generation_tokens_total", 0)
+                     > before.get("vllm:generation_tokens_total", 0))
     sock.close()
     # A request nobody cancels runs all its tokens: allow for a slow, shared machine.
     values = wait_for_metrics(server, lambda m: m.get("pagedllm:num_requests_running") == 0
                               and m.get("pagedllm:kv_blocks_used") == 0, timeout_s=300)
     assert values["pagedllm:num_requests_running"] == 0 and values["pagedllm:kv_blocks_used"] == 0
-    return values["pagedllm:generation_tokens_total"] - before.get("pagedllm:generation_tokens_total", 0.0)
+    return values["vllm:generation_tokens_total"] - before.get("vllm:generation_tokens_total", 0.0)
 
 
 def test_a_hung_up_sse_stream_is_aborted_and_frees_its_blocks(server: TritonServer) -> None:

@@ -1,4 +1,4 @@
-"""Engine snapshots -> Triton metric families, through a fake family factory."""
+"""Engine snapshots and finished requests -> Triton metric families, through a fake family factory."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,7 +6,16 @@ from dataclasses import dataclass
 import pytest
 
 from pagedllm.engine.request_timing import RequestTiming
-from pagedllm.serving.metrics import PREFIX, SPECS, TritonMetrics, gauge_values
+from pagedllm.serving.metrics import (
+    E2E_BUCKETS,
+    TritonMetrics,
+    custom_metrics_enabled,
+    gauge_values,
+    metric_specs,
+    one_two_five_buckets,
+)
+
+MAX_MODEL_LEN = 256
 
 
 @dataclass(frozen=True)
@@ -26,16 +35,19 @@ class Stats:
 class FakeMetric:
     def __init__(self, kind: str, labels: dict[str, str], buckets: list[float] | None) -> None:
         self.kind, self.labels, self.buckets = kind, labels, buckets
-        self.value = 0.0
+        self.reading = 0.0
         self.observed: list[float] = []
 
     def increment(self, value: float) -> None:
         assert self.kind == "counter" and value > 0
-        self.value += value
+        self.reading += value
 
     def set(self, value: float) -> None:
         assert self.kind == "gauge"
-        self.value = value
+        self.reading = value
+
+    def value(self) -> float:
+        return self.reading
 
     def observe(self, value: float) -> None:
         assert self.kind == "histogram"
@@ -44,7 +56,7 @@ class FakeMetric:
 
 class FakeFamily:
     def __init__(self, name: str, description: str, kind: str) -> None:
-        self.name, self.kind = name, kind
+        self.name, self.description, self.kind = name, description, kind
         self.metrics: list[FakeMetric] = []
 
     def Metric(self, labels: dict[str, str], buckets: list[float] | None = None) -> FakeMetric:  # noqa: N802
@@ -61,23 +73,40 @@ def families():
         created[name] = FakeFamily(name, description, kind)
         return created[name]
 
-    metrics = TritonMetrics(make_family, {"model": "llm", "version": "1"}, interval_s=0.01)
+    metrics = TritonMetrics(make_family, {"model": "llm", "version": "1"}, MAX_MODEL_LEN, interval_s=0.01)
     yield metrics, created
     metrics.close()
 
 
 def value(created: dict[str, FakeFamily], name: str) -> FakeMetric:
-    return created[PREFIX + name].metrics[0]
+    return created[name].metrics[0]
 
 
-def test_declares_vllm_names_and_kinds(families) -> None:
+def test_declares_vllm_backend_families_and_our_own(families) -> None:
     _, created = families
-    assert set(created) == {PREFIX + s.name for s in SPECS}
-    assert created["pagedllm:time_to_first_token_seconds"].kind == "histogram"
-    assert created["pagedllm:prompt_tokens_total"].kind == "counter"
+    vllm = {name for name in created if name.startswith("vllm:")}
+    assert vllm == {"vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds",
+                    "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
+                    "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_params_n"}
+    assert set(created) - vllm == {f"pagedllm:{name}" for name in (
+        "num_preemptions_total", "engine_restarts_total", "num_requests_running", "num_requests_waiting",
+        "kv_blocks_used", "kv_blocks_free", "kv_cache_usage_perc", "prefix_cache_hit_rate")}
+    assert created["vllm:time_to_first_token_seconds"].kind == "histogram"
+    assert created["vllm:prompt_tokens_total"].kind == "counter"
     assert created["pagedllm:kv_cache_usage_perc"].kind == "gauge"
-    assert value(created, "e2e_request_latency_seconds").buckets[0] == 0.3
-    assert value(created, "num_requests_running").labels == {"model": "llm", "version": "1"}
+    assert created["vllm:request_params_n"].description == "Histogram of the n request parameter."
+    assert value(created, "vllm:e2e_request_latency_seconds").buckets == list(E2E_BUCKETS)
+    assert value(created, "vllm:request_params_n").buckets == [1, 2, 5, 10, 20]
+    assert value(created, "vllm:request_prompt_tokens").buckets == [1, 2, 5, 10, 20, 50, 100, 200]
+    assert all(family.metrics[0].labels == {"model": "llm", "version": "1"} for family in created.values())
+
+
+def test_one_two_five_buckets_stop_at_the_limit() -> None:
+    assert one_two_five_buckets(1) == (1,)
+    assert one_two_five_buckets(4) == (1, 2)
+    assert one_two_five_buckets(1000) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+    assert [s.buckets for s in metric_specs(50) if s.name == "vllm:request_generation_tokens"] == [
+        (1, 2, 5, 10, 20, 50)]
 
 
 def test_counters_follow_cumulative_stats_and_gauges_the_latest_snapshot(families) -> None:
@@ -87,30 +116,60 @@ def test_counters_follow_cumulative_stats_and_gauges_the_latest_snapshot(familie
     metrics.record(Stats(num_blocks_free=100, prompt_tokens_total=25, generation_tokens_total=9, num_preemptions=1,
                          prefix_cache_queried_tokens=20, prefix_cache_hit_tokens=10), [])
     metrics.close()
-    assert value(created, "prompt_tokens_total").value == 25
-    assert value(created, "generation_tokens_total").value == 9
-    assert value(created, "num_preemptions_total").value == 1
-    assert value(created, "kv_blocks_used").value == 0
-    assert value(created, "kv_blocks_free").value == 100
-    assert value(created, "kv_cache_usage_perc").value == 0
-    assert value(created, "num_requests_running").value == 0
-    assert value(created, "prefix_cache_hit_rate").value == 0.5
+    assert value(created, "vllm:prompt_tokens_total").reading == 25
+    assert value(created, "vllm:generation_tokens_total").reading == 9
+    assert value(created, "pagedllm:num_preemptions_total").reading == 1
+    assert value(created, "pagedllm:kv_blocks_used").reading == 0
+    assert value(created, "pagedllm:kv_blocks_free").reading == 100
+    assert value(created, "pagedllm:kv_cache_usage_perc").reading == 0
+    assert value(created, "pagedllm:num_requests_running").reading == 0
+    assert value(created, "pagedllm:prefix_cache_hit_rate").reading == 0.5
 
 
-def test_finished_requests_feed_the_histograms(families) -> None:
+def test_each_finished_request_is_one_observation_and_each_token_gap_one_more(families) -> None:
     metrics, created = families
-    done = RequestTiming("r", arrival=1.0, first_token=1.5, last_token=3.5, finished=4.0, num_prompt_tokens=5,
-                         num_output_tokens=5, num_token_steps=5, finish_reasons=("length",))
-    aborted = RequestTiming("a", arrival=2.0, first_token=None, last_token=None, finished=2.25, num_prompt_tokens=5,
+    two_samples = RequestTiming("r", arrival=1.0, first_token=1.5, last_token=3.5, finished=4.0, num_prompt_tokens=5,
+                                num_output_tokens=10, num_token_steps=5, finish_reasons=("length", "length"),
+                                inter_token_latencies=(0.25, 0.75, 0.5, 0.5), n=2)
+    aborted = RequestTiming("a", arrival=2.0, first_token=None, last_token=None, finished=2.25, num_prompt_tokens=7,
                             num_output_tokens=0, num_token_steps=0, finish_reasons=("abort",))
-    metrics.record(Stats(), [done, aborted])
+    metrics.record(Stats(), [two_samples, aborted])
     metrics.close()
-    assert value(created, "time_to_first_token_seconds").observed == [0.5]
-    assert value(created, "time_per_output_token_seconds").observed == [0.5]
-    assert value(created, "e2e_request_latency_seconds").observed == [3.0, 0.25]
+    assert value(created, "vllm:time_to_first_token_seconds").observed == [0.5]
+    assert value(created, "vllm:time_per_output_token_seconds").observed == [0.25, 0.75, 0.5, 0.5]
+    assert value(created, "vllm:e2e_request_latency_seconds").observed == [3.0, 0.25]
+    assert value(created, "vllm:request_prompt_tokens").observed == [5, 7]
+    assert value(created, "vllm:request_generation_tokens").observed == [10, 0]
+    assert value(created, "vllm:request_params_n").observed == [2, 1]
+
+
+def test_engine_restarts_count_only_what_is_missing(families) -> None:
+    metrics, created = families
+    counter = value(created, "pagedllm:engine_restarts_total")
+    counter.reading = 2.0  # what a reloaded model inherits from its still-resident predecessor
+    metrics.count_restarts(3)
+    assert counter.reading == 3
+    metrics.count_restarts(3)
+    assert counter.reading == 3
 
 
 def test_gauge_values_of_a_busy_cache() -> None:
     gauges = gauge_values(Stats(num_blocks_total=8, num_blocks_free=2, num_running=3, num_waiting=4))
-    assert gauges == {"num_requests_running": 3, "num_requests_waiting": 4, "kv_blocks_used": 6, "kv_blocks_free": 2,
-                      "kv_cache_usage_perc": 0.75, "prefix_cache_hit_rate": 0.0}
+    assert gauges == {"pagedllm:num_requests_running": 3, "pagedllm:num_requests_waiting": 4,
+                      "pagedllm:kv_blocks_used": 6, "pagedllm:kv_blocks_free": 2,
+                      "pagedllm:kv_cache_usage_perc": 0.75, "pagedllm:prefix_cache_hit_rate": 0.0}
+
+
+@pytest.mark.parametrize(("parameters", "enabled"), [
+    ({}, True),
+    ({"REPORT_CUSTOM_METRICS": {"string_value": "true"}}, True),
+    ({"REPORT_CUSTOM_METRICS": {"string_value": "False"}}, False),
+    ({"REPORT_CUSTOM_METRICS": {"string_value": "false"}}, False),
+])
+def test_the_switch_is_on_unless_false(parameters: dict[str, object], enabled: bool) -> None:
+    assert custom_metrics_enabled({"parameters": parameters}) is enabled
+
+
+def test_a_switch_value_that_is_neither_true_nor_false_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match='REPORT_CUSTOM_METRICS=.*"true" or "false"'):
+        custom_metrics_enabled({"parameters": {"REPORT_CUSTOM_METRICS": {"string_value": "yes"}}})

@@ -151,11 +151,11 @@ def stream_once(url: str, prompt: str | bytes | None, params: dict[str, object] 
 
 
 def metrics(server: TritonServer, model: str = MODEL) -> dict[str, float]:
-    """The pagedllm: series of one model (histogram buckets left out)."""
+    """The vllm: and pagedllm: series of one model (histogram buckets left out)."""
     text = requests.get(server.metrics_url, timeout=10).text
     values = {}
     for line in text.splitlines():
-        match = re.match(r'^(pagedllm:[a-z0-9_]+)\{([^}]*)\} ([0-9.e+-]+)$', line)
+        match = re.match(r'^((?:vllm|pagedllm):[a-z0-9_]+)\{([^}]*)\} ([0-9.e+-]+)$', line)
         if match and f'model="{model}"' in match.group(2) and 'le="' not in match.group(2):
             values[match.group(1)] = float(match.group(3))
     return values
@@ -284,7 +284,7 @@ def test_cancelled_streams_free_their_blocks(server: TritonServer) -> None:
                              and m.get("pagedllm:num_requests_running") == 0)
     assert after["pagedllm:kv_blocks_used"] == 0
     assert after["pagedllm:kv_blocks_free"] == NUM_KV_BLOCKS
-    generated = after["pagedllm:generation_tokens_total"] - before.get("pagedllm:generation_tokens_total", 0)
+    generated = after["vllm:generation_tokens_total"] - before.get("vllm:generation_tokens_total", 0)
     assert generated < 16 * max_tokens  # they were stopped, not run to completion
     healthy = stream_once(server.grpc_url, "print", greedy(4), stream=True)
     assert healthy.error is None and healthy.text()
@@ -328,13 +328,13 @@ def test_bad_input_gets_an_error_naming_the_field_and_serving_continues(
 def test_metrics_are_sensible_after_the_run(server: TritonServer) -> None:
     stream_once(server.grpc_url, "return self", greedy(8), stream=True)
     values = wait_for_metrics(server, lambda m: m.get("pagedllm:num_requests_running") == 0
-                              and m.get("pagedllm:e2e_request_latency_seconds_count", 0) > 0)
-    assert values["pagedllm:prompt_tokens_total"] > 0
-    assert values["pagedllm:generation_tokens_total"] >= 8
-    assert values["pagedllm:time_to_first_token_seconds_count"] > 0
-    assert values["pagedllm:time_to_first_token_seconds_sum"] > 0
-    assert values["pagedllm:time_per_output_token_seconds_count"] > 0
-    assert values["pagedllm:e2e_request_latency_seconds_sum"] >= values["pagedllm:time_to_first_token_seconds_sum"]
+                              and m.get("vllm:e2e_request_latency_seconds_count", 0) > 0)
+    assert values["vllm:prompt_tokens_total"] > 0
+    assert values["vllm:generation_tokens_total"] >= 8
+    assert values["vllm:time_to_first_token_seconds_count"] > 0
+    assert values["vllm:time_to_first_token_seconds_sum"] > 0
+    assert values["vllm:time_per_output_token_seconds_count"] > 0
+    assert values["vllm:e2e_request_latency_seconds_sum"] >= values["vllm:time_to_first_token_seconds_sum"]
     assert values["pagedllm:kv_blocks_used"] == 0 and values["pagedllm:kv_cache_usage_perc"] == 0
     assert values["pagedllm:kv_blocks_free"] == NUM_KV_BLOCKS
     assert values["pagedllm:num_requests_waiting"] == 0

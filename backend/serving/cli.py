@@ -56,6 +56,7 @@ def config_pbtxt() -> str:
         'backend: "pagedllm"\nmax_batch_size: 0\nmodel_transaction_policy { decoupled: true }\n'
         f"input [\n{inputs}\n]\noutput [\n{outputs}\n]\n"
         "instance_group [ { count: 1 kind: KIND_MODEL } ]\n"
+        'parameters: { key: "REPORT_CUSTOM_METRICS" value: { string_value: "true" } }\n'
     )
 
 

@@ -33,7 +33,7 @@ def probe_model(http_url: str, model: str, timeout_s: float, metrics_url: str | 
 
     A busy engine serves requests first come, first served, so the probe can wait behind a full
     queue. With ``metrics_url``, a probe that timed out still passes when the model's
-    ``pagedllm:generation_tokens_total`` grew meanwhile: the engine is alive, only busy, and a
+    ``vllm:generation_tokens_total`` grew meanwhile: the engine is alive, only busy, and a
     liveness restart would drop every request in flight.
     """
     before = generated_tokens(metrics_url, model, timeout_s) if metrics_url else None
@@ -55,7 +55,7 @@ def probe_model(http_url: str, model: str, timeout_s: float, metrics_url: str | 
 
 
 def generated_tokens(metrics_url: str, model: str, timeout_s: float) -> float | None:
-    """``model``'s ``pagedllm:generation_tokens_total`` from Triton's metrics endpoint; None if unreadable."""
+    """``model``'s ``vllm:generation_tokens_total`` from Triton's metrics endpoint; None if unreadable."""
     try:
         with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=timeout_s) as answer:
             lines = answer.read().decode(errors="replace").splitlines()
@@ -63,7 +63,7 @@ def generated_tokens(metrics_url: str, model: str, timeout_s: float) -> float | 
         return None
     label = f'model="{model}"'
     values = [float(line.rsplit(" ", 1)[1]) for line in lines
-              if line.startswith("pagedllm:generation_tokens_total{") and label in line]
+              if line.startswith("vllm:generation_tokens_total{") and label in line]
     return sum(values) if values else None
 
 

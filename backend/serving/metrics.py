@@ -1,14 +1,30 @@
-"""Engine metrics on Triton's /metrics, under vLLM's names with a ``pagedllm:`` prefix.
+"""Engine metrics on Triton's /metrics: vllm_backend's series under its own names, ours under ``pagedllm:``.
 
-Counters: ``prompt_tokens_total``, ``generation_tokens_total``, ``num_preemptions_total``
-(a counter, as in vLLM), ``engine_restarts_total`` (restarts of this model by
-``pagedllm serve``'s supervisor, which keeps the count across the restarts; see
-``serving.supervision``). Histograms (vLLM's buckets): ``time_to_first_token_seconds``,
-``time_per_output_token_seconds`` (per finished request: the mean gap between its
-token-producing steps; vLLM observes each gap), ``e2e_request_latency_seconds``.
-Gauges: ``num_requests_running``, ``num_requests_waiting``, ``kv_blocks_used``,
-``kv_blocks_free``, ``kv_cache_usage_perc`` (fraction in [0, 1], as vLLM's
-``gpu_cache_usage_perc``), ``prefix_cache_hit_rate`` (hit / queried prompt tokens since start).
+The ``vllm:`` family is the one Triton's vLLM backend exports (same names, kinds,
+help texts, labels ``model`` and ``version``, bucket boundaries), so its dashboards
+and alerts work unchanged:
+
+- counters ``vllm:prompt_tokens_total`` (each request's prompt tokens, counted once when
+  its prompt has been computed) and ``vllm:generation_tokens_total`` (tokens the engine
+  sampled, every sample of an ``n > 1`` request and every live beam of a beam search),
+  both raised step by step from the engine's cumulative counts;
+- per finished request (a Triton request, whatever its ``n``; cancelled ones included):
+  ``vllm:e2e_request_latency_seconds``, ``vllm:request_prompt_tokens``,
+  ``vllm:request_generation_tokens`` (over all samples; beam search: the tokens of
+  the hypotheses returned), ``vllm:request_params_n``; ``vllm:time_to_first_token_seconds``
+  once the request produced a token; ``vllm:time_per_output_token_seconds`` once per gap
+  between two token-producing steps of a request (vLLM's inter-token latencies).
+
+Our own series, which vllm_backend does not have: counters ``pagedllm:num_preemptions_total``
+and ``pagedllm:engine_restarts_total`` (restarts of this model by ``pagedllm serve``'s
+supervisor, which keeps the count across the restarts; see ``serving.supervision``);
+gauges ``pagedllm:num_requests_running``, ``pagedllm:num_requests_waiting``,
+``pagedllm:kv_blocks_used``, ``pagedllm:kv_blocks_free``, ``pagedllm:kv_cache_usage_perc``
+(fraction in [0, 1], as vLLM's ``kv_cache_usage_perc``), ``pagedllm:prefix_cache_hit_rate``
+(hit / queried prompt tokens since start). No quantity is reported under two names.
+
+``REPORT_CUSTOM_METRICS`` in config.pbtxt turns all of them off with ``"false"``, as in
+vllm_backend (which defaults to off; we default to on).
 
 Triton is reached through a family factory so this file does not import
 ``triton_python_backend_utils``: ``make_family(name, description, kind)`` with kind
@@ -29,48 +45,89 @@ from pagedllm.engine.request_timing import RequestTiming
 
 log = logging.getLogger(__name__)
 
+VLLM_PREFIX = "vllm:"
 PREFIX = "pagedllm:"
+SWITCH_PARAMETER = "REPORT_CUSTOM_METRICS"
 FamilyFactory = Callable[[str, str, str], Any]
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
-_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                480.0, 960.0, 1920.0, 7680.0)
+# vllm_backend's boundaries (src/utils/metrics.py), which its dashboards' `le` labels name.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
+N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
+
+
+def one_two_five_buckets(max_value: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value``: vLLM's ``build_1_2_5_buckets`` (token-count histograms)."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(float(mantissa * scale))
+        scale *= 10
 
 
 @dataclass(frozen=True, slots=True)
 class MetricSpec:
-    name: str  # without the prefix
+    name: str  # the full series name
     description: str
     kind: str
     buckets: tuple[float, ...] | None = None
 
 
-SPECS: tuple[MetricSpec, ...] = (
-    MetricSpec("prompt_tokens_total", "Number of prefill tokens processed.", "counter"),
-    MetricSpec("generation_tokens_total", "Number of generation tokens processed.", "counter"),
-    MetricSpec("num_preemptions_total", "Cumulative number of preemptions (recompute) in the engine.", "counter"),
-    MetricSpec("engine_restarts_total", "Times pagedllm serve restarted this model after its engine died.", "counter"),
-    MetricSpec("time_to_first_token_seconds", "Histogram of time to first token in seconds.", "histogram",
-               _TTFT_BUCKETS),
-    MetricSpec("time_per_output_token_seconds", "Histogram of time per output token in seconds.", "histogram",
-               _TPOT_BUCKETS),
-    MetricSpec("e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", "histogram",
-               _E2E_BUCKETS),
-    MetricSpec("num_requests_running", "Number of requests currently running.", "gauge"),
-    MetricSpec("num_requests_waiting", "Number of requests waiting to be processed.", "gauge"),
-    MetricSpec("kv_blocks_used", "KV-cache blocks referenced by requests.", "gauge"),
-    MetricSpec("kv_blocks_free", "KV-cache blocks free (including cached prefix blocks that can be revived).", "gauge"),
-    MetricSpec("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "gauge"),
-    MetricSpec("prefix_cache_hit_rate", "Prefix-cache hit tokens / queried prompt tokens since start.", "gauge"),
-)
+def metric_specs(max_model_len: int) -> tuple[MetricSpec, ...]:
+    """Every family a model exports; the token-count histograms' buckets reach ``max_model_len``."""
+    tokens = one_two_five_buckets(max_model_len)
+    return (
+        MetricSpec("vllm:prompt_tokens_total", "Number of prefill tokens processed.", "counter"),
+        MetricSpec("vllm:generation_tokens_total", "Number of generation tokens processed.", "counter"),
+        MetricSpec("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", "histogram",
+                   TTFT_BUCKETS),
+        MetricSpec("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
+                   "histogram", TPOT_BUCKETS),
+        MetricSpec("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
+                   "histogram", E2E_BUCKETS),
+        MetricSpec("vllm:request_prompt_tokens", "Number of prefill tokens processed.", "histogram", tokens),
+        MetricSpec("vllm:request_generation_tokens", "Number of generation tokens processed.", "histogram", tokens),
+        MetricSpec("vllm:request_params_n", "Histogram of the n request parameter.", "histogram", N_BUCKETS),
+        MetricSpec("pagedllm:num_preemptions_total", "Cumulative number of preemptions (recompute) in the engine.",
+                   "counter"),
+        MetricSpec("pagedllm:engine_restarts_total", "Times pagedllm serve restarted this model after its engine died.",
+                   "counter"),
+        MetricSpec("pagedllm:num_requests_running", "Number of requests currently running.", "gauge"),
+        MetricSpec("pagedllm:num_requests_waiting", "Number of requests waiting to be processed.", "gauge"),
+        MetricSpec("pagedllm:kv_blocks_used", "KV-cache blocks referenced by requests.", "gauge"),
+        MetricSpec("pagedllm:kv_blocks_free",
+                   "KV-cache blocks free (including cached prefix blocks that can be revived).", "gauge"),
+        MetricSpec("pagedllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "gauge"),
+        MetricSpec("pagedllm:prefix_cache_hit_rate", "Prefix-cache hit tokens / queried prompt tokens since start.",
+                   "gauge"),
+    )
 
-# counter name -> the cumulative EngineStats field it follows
+
+# counter series -> the cumulative EngineStats field it follows
 _COUNTER_SOURCES = {
-    "prompt_tokens_total": "prompt_tokens_total",
-    "generation_tokens_total": "generation_tokens_total",
-    "num_preemptions_total": "num_preemptions",
+    "vllm:prompt_tokens_total": "prompt_tokens_total",
+    "vllm:generation_tokens_total": "generation_tokens_total",
+    "pagedllm:num_preemptions_total": "num_preemptions",
 }
+
+
+def custom_metrics_enabled(model_config: Mapping[str, Any]) -> bool:
+    """``REPORT_CUSTOM_METRICS`` of a model's config (Triton's JSON form): on unless ``"false"``.
+
+    vllm_backend reads the same parameter (``"true"``/``"false"``, any case) but defaults to off.
+    """
+    parameter = model_config.get("parameters", {}).get(SWITCH_PARAMETER)
+    if parameter is None:
+        return True
+    value = str(parameter.get("string_value", "")).strip().lower()
+    if value not in ("true", "false"):
+        raise ValueError(f'config.pbtxt parameter {SWITCH_PARAMETER}={parameter.get("string_value")!r} is invalid: '
+                         'expected "true" or "false"')
+    return value == "true"
 
 
 def gauge_values(stats: Any) -> dict[str, float]:
@@ -79,25 +136,41 @@ def gauge_values(stats: Any) -> dict[str, float]:
     used = total - stats.num_blocks_free
     queried = stats.prefix_cache_queried_tokens
     return {
-        "num_requests_running": float(stats.num_running),
-        "num_requests_waiting": float(stats.num_waiting),
-        "kv_blocks_used": float(used),
-        "kv_blocks_free": float(stats.num_blocks_free),
-        "kv_cache_usage_perc": used / total if total else 0.0,
-        "prefix_cache_hit_rate": stats.prefix_cache_hit_tokens / queried if queried else 0.0,
+        "pagedllm:num_requests_running": float(stats.num_running),
+        "pagedllm:num_requests_waiting": float(stats.num_waiting),
+        "pagedllm:kv_blocks_used": float(used),
+        "pagedllm:kv_blocks_free": float(stats.num_blocks_free),
+        "pagedllm:kv_cache_usage_perc": used / total if total else 0.0,
+        "pagedllm:prefix_cache_hit_rate": stats.prefix_cache_hit_tokens / queried if queried else 0.0,
     }
+
+
+def request_observations(timing: RequestTiming) -> list[tuple[str, float]]:
+    """The histogram observations one finished request makes, as (series, value)."""
+    observed = [
+        ("vllm:e2e_request_latency_seconds", timing.e2e_latency),
+        ("vllm:request_prompt_tokens", float(timing.num_prompt_tokens)),
+        ("vllm:request_generation_tokens", float(timing.num_output_tokens)),
+        ("vllm:request_params_n", float(timing.n)),
+    ]
+    if timing.time_to_first_token is not None:
+        observed.append(("vllm:time_to_first_token_seconds", timing.time_to_first_token))
+    observed.extend(("vllm:time_per_output_token_seconds", gap) for gap in timing.inter_token_latencies)
+    return observed
 
 
 class TritonMetrics:
     """Publishes engine snapshots and finished-request timings to Triton metric families."""
 
-    def __init__(self, make_family: FamilyFactory, labels: Mapping[str, str], interval_s: float = 0.1) -> None:
+    def __init__(self, make_family: FamilyFactory, labels: Mapping[str, str], max_model_len: int,
+                 interval_s: float = 0.1) -> None:
+        specs = metric_specs(max_model_len)
         # Families must stay referenced: Triton drops a family's metrics when it is garbage collected.
-        self._families = {s.name: make_family(PREFIX + s.name, s.description, s.kind) for s in SPECS}
+        self._families = {s.name: make_family(s.name, s.description, s.kind) for s in specs}
         self._metrics = {
             s.name: (self._families[s.name].Metric(labels=dict(labels), buckets=list(s.buckets))
                      if s.buckets else self._families[s.name].Metric(labels=dict(labels)))
-            for s in SPECS
+            for s in specs
         }
         self._interval_s = interval_s
         self._published_counters = dict.fromkeys(_COUNTER_SOURCES, 0)
@@ -115,7 +188,7 @@ class TritonMetrics:
         instance is still resident (it stays until its last client stream closes), so the
         counter may already hold earlier restarts: only the difference is added.
         """
-        counter = self._metrics["engine_restarts_total"]
+        counter = self._metrics["pagedllm:engine_restarts_total"]
         missing = restarts - int(counter.value())
         if missing > 0:
             counter.increment(missing)
@@ -152,19 +225,16 @@ class TritonMetrics:
                 self._changed.wait_for(lambda: self._closing, timeout=self._interval_s)
 
     def _publish(self, stats: Any, timings: Sequence[RequestTiming]) -> None:
+        # Counters first: a scrape that sees a request's histogram entries also sees its tokens.
+        if stats is not None:
+            for name, source in _COUNTER_SOURCES.items():
+                value = int(getattr(stats, source))
+                increase = value - self._published_counters[name]
+                if increase > 0:
+                    self._metrics[name].increment(increase)
+                    self._published_counters[name] = value
+            for name, value in gauge_values(stats).items():
+                self._metrics[name].set(value)
         for timing in timings:
-            if timing.time_to_first_token is not None:
-                self._metrics["time_to_first_token_seconds"].observe(timing.time_to_first_token)
-            if timing.time_per_output_token is not None:
-                self._metrics["time_per_output_token_seconds"].observe(timing.time_per_output_token)
-            self._metrics["e2e_request_latency_seconds"].observe(timing.e2e_latency)
-        if stats is None:
-            return
-        for name, source in _COUNTER_SOURCES.items():
-            value = int(getattr(stats, source))
-            increase = value - self._published_counters[name]
-            if increase > 0:
-                self._metrics[name].increment(increase)
-                self._published_counters[name] = value
-        for name, value in gauge_values(stats).items():
-            self._metrics[name].set(value)
+            for name, value in request_observations(timing):
+                self._metrics[name].observe(value)
