@@ -24,6 +24,7 @@ from transformers.activations import ACT2FN
 
 from pagedllm.worker.attention_backend import AttentionBackend
 from pagedllm.worker.attention_metadata import AttentionMetadata
+from pagedllm.worker.kv_quant import LayerKvScales
 from pagedllm.models.architectures import ArchitectureTraits
 from pagedllm.models.cpu_fused_ops import CpuFusedOps
 from pagedllm.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
@@ -64,6 +65,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if traits.qk_norm else None
         # Rotary in place on the fused q|k heads; per-head q/k norms come first, so those models keep torch's.
         self.fused_rotary = None if traits.qk_norm else fused
+        # An 8-bit KV cache's scales for this layer (pagedllm.worker.kv_quant), set by the engine; None otherwise.
+        self.kv_scales: LayerKvScales | None = None
 
     def forward(
         self,
@@ -88,8 +91,15 @@ class Attention(nn.Module):
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
         k_cache, v_cache = kv_cache
-        self.attention.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
-        out = self.attention.attend(q, k_cache, v_cache, attn, self.scale)
+        scales = self.kv_scales
+        if scales is None:
+            self.attention.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+            out = self.attention.attend(q, k_cache, v_cache, attn, self.scale)
+        else:
+            if scales.pending and attn.max_query_len > 1:  # calculate_kv_scales: the first prefill sets them
+                scales.measure(k, v)
+            self.attention.write_kv(k, v, k_cache, v_cache, attn.slot_mapping, scales.k, scales.v)
+            out = self.attention.attend(q, k_cache, v_cache, attn, self.scale, scales.k, scales.v)
         out = self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
         return out if self.o_bias is None else out.add_(self.o_bias)
 

@@ -28,8 +28,9 @@ from pagedllm.worker.native_decode import load_native_decode
 # Set to "1" to run the Triton-lang kernels even on CPU (with TRITON_INTERPRET=1).
 FORCE_TRITON_ENV = "PAGEDLLM_FORCE_TRITON"
 
-# attend(q, k_cache, v_cache, planned metadata, scale) -> [num_tokens, num_heads, head_dim]
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+# attend(q, k_cache, v_cache, planned metadata, scale, k_scale=None, v_scale=None) -> [num_tokens, num_heads, head_dim];
+# k_scale/v_scale: an 8-bit cache's per-layer scales (fp32 [1]), which write_kv takes after slot_mapping too.
+Attend = Callable[..., torch.Tensor]
 # new_cache((num_blocks, block_size, num_kv_heads, head_dim), dtype, device) -> a zeroed cache of that shape
 NewCache = Callable[[tuple[int, int, int, int], torch.dtype, torch.device], torch.Tensor]
 
@@ -55,9 +56,10 @@ class AttentionBackend:
 
 
 def _attend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
-                      scale: float) -> torch.Tensor:
+                      scale: float, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
     return unified_attention_ref(q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens,
-                                 metadata.block_table, scale)
+                                 metadata.block_table, scale, k_scale=k_scale, v_scale=v_scale)
 
 
 def _unplanned(metadata: AttentionMetadata) -> AttentionMetadata:
@@ -92,8 +94,8 @@ def triton_backend() -> AttentionBackend:
         return replace(metadata, plan=step)
 
     def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float) -> torch.Tensor:
-        return unified_attention_planned(q, k_cache, v_cache, metadata.plan, scale)
+               scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        return unified_attention_planned(q, k_cache, v_cache, metadata.plan, scale, k_scale=k_scale, v_scale=v_scale)
 
     return AttentionBackend("triton", plan, attend, write_kv, copy_blocks)
 

@@ -21,6 +21,10 @@ small C routine on first use that reads their blocks in place, 2.4-3.3x faster p
 layer than this gather + SDPA path at 32-128 sequences of 300-1000 tokens
 (``pagedllm bench kernels`` on a CPU). Without a C compiler every decode runs the
 torch path below, which stays tested on its own.
+
+8-bit (fp8) caches are read without a full-precision copy of the cache: the compiled routine
+dequantizes one block at a time as it reads it, and the torch path dequantizes the blocks it
+gathered for the step, into a reused buffer.
 Gathering in cache-sized chunks so that SDPA reads K/V from cache gained 0-20%,
 within this host's noise, so it was left out. ``pagedllm bench kernels`` on a
 CPU prints this backend next to the reference.
@@ -30,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels.reference import write_kv_ref
+from pagedllm.kernels.reference import FP8_DTYPES, quantize_kv_ref, write_kv_ref
 from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.worker.cpu_memory import advise_huge_pages
 from pagedllm.worker.cpu_attention_plan import CpuAttentionPlan, DecodeBatch, SharedPrefix
@@ -77,9 +81,13 @@ def _is_head_major(cache: torch.Tensor) -> bool:
 
 
 def _native_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """The compiled decode routine reads float32 head-major caches on the CPU."""
-    return (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
-            and _is_head_major(k_cache) and _is_head_major(v_cache))
+    """The compiled decode routine reads float32 or 8-bit head-major caches for float32 queries on the CPU."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
+            and k_cache.dtype in (torch.float32, *FP8_DTYPES) and _is_head_major(k_cache) and _is_head_major(v_cache))
+
+
+def _scale_value(scale: torch.Tensor | None) -> float:
+    return 1.0 if scale is None else float(scale)
 
 
 def write_kv_cpu(
@@ -88,11 +96,15 @@ def write_kv_cpu(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # int64 [num_tokens]; negative = padded token, skipped
+    k_scale: torch.Tensor | None = None,  # fp32 [1]: an 8-bit k_cache's scale (None: 1.0)
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """:func:`pagedllm.kernels.reference.write_kv_ref`'s contract, with ``index_copy_`` into
-    head-major caches: 38 -> 10 us per layer at 32 tokens, 73 -> 21 us at 128 (1 thread)."""
+    head-major caches: 38 -> 10 us per layer at 32 tokens, 73 -> 21 us at 128 (1 thread).
+    An 8-bit cache gets the rows quantized as the reference does, copied as bytes (torch has
+    no ``index_copy_`` for fp8)."""
     if not (_is_head_major(k_cache) and _is_head_major(v_cache)):
-        write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     if slot_mapping.numel() and bool(slot_mapping.min() < 0):
         keep = slot_mapping >= 0
@@ -100,9 +112,13 @@ def write_kv_cpu(
     if slot_mapping.numel() == 0:
         return
     slots = slot_mapping.long()
-    for cache, new in ((k_cache, key), (v_cache, value)):
+    for cache, new, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
         num_kv_heads, head_dim = cache.shape[2:]
-        _head_major(cache).view(num_kv_heads, -1, head_dim).index_copy_(1, slots, new.to(cache.dtype).transpose(0, 1))
+        target = _head_major(cache).view(num_kv_heads, -1, head_dim)
+        if cache.dtype in FP8_DTYPES:
+            new = quantize_kv_ref(new, 1.0 if scale is None else scale, cache.dtype).view(torch.uint8)
+            target = target.view(torch.uint8)
+        target.index_copy_(1, slots, new.to(target.dtype).transpose(0, 1))
 
 
 def _rows_fit(key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -125,13 +141,16 @@ class CpuPagedAttention:
         self._buffers: dict[tuple[str, torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = {}
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        """:func:`write_kv_cpu`'s contract and shapes; float32 rows go through the compiled routine, which copies
-        each row once from where it lies (e.g. a fused qkv output) instead of two ``index_copy_`` passes."""
-        if self._native is not None and _native_fits(key, k_cache, v_cache) and _rows_fit(key, value):
+                 slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
+        """:func:`write_kv_cpu`'s contract and shapes; float32 rows into float32 caches go through the compiled
+        routine, which copies each row once from where it lies (e.g. a fused qkv output) instead of two
+        ``index_copy_`` passes."""
+        if (self._native is not None and k_cache.dtype == torch.float32 and _native_fits(key, k_cache, v_cache)
+                and _rows_fit(key, value)):
             self._native.write_kv(key, value, _head_major(k_cache), _head_major(v_cache), slot_mapping)
         else:
-            write_kv_cpu(key, value, k_cache, v_cache, slot_mapping)
+            write_kv_cpu(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def attend(
         self,
@@ -140,6 +159,8 @@ class CpuPagedAttention:
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,  # fp32 [1]: an 8-bit k_cache's scale (None: 1.0)
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of each sequence's new tokens over its paged context: [num_tokens, num_heads, head_dim]."""
         plan = metadata.plan
@@ -153,7 +174,8 @@ class CpuPagedAttention:
         group = num_heads // num_kv_heads
 
         if layout.decodes_in_order:
-            keys, values = self._gather("k", k_cache, layout.block_ids), self._gather("v", v_cache, layout.block_ids)
+            keys = self._gather("k", k_cache, layout.block_ids, k_scale, q.dtype)
+            values = self._gather("v", v_cache, layout.block_ids, v_scale, q.dtype)
             attended, _ = self._decode(q, keys, values, layout.decodes[0], scale, group)
             return attended.reshape(num_tokens, num_heads, head_dim)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the compiled routine writes it
@@ -161,11 +183,13 @@ class CpuPagedAttention:
         lse = (self._reused(("lse", torch.float32, q.device, ()), num_tokens * num_heads).view(num_tokens, num_heads)
                if layout.shared_prefixes or layout.native_decodes is not None else None)
         if native is not None and layout.native_decodes is not None:
-            native(q.contiguous(), _head_major(k_cache), _head_major(v_cache), layout.native_decodes, scale, out, lse)
+            native(q.contiguous(), _head_major(k_cache), _head_major(v_cache), layout.native_decodes, scale, out, lse,
+                   _scale_value(k_scale), _scale_value(v_scale))
         if not layout.block_ids.numel():  # the usual step: the compiled routine read every decode in place
             return out
         # [kv_heads, rows, block_size, head_dim]
-        keys, values = self._gather("k", k_cache, layout.block_ids), self._gather("v", v_cache, layout.block_ids)
+        keys = self._gather("k", k_cache, layout.block_ids, k_scale, q.dtype)
+        values = self._gather("v", v_cache, layout.block_ids, v_scale, q.dtype)
         for batch in layout.decodes:
             attended, batch_lse = self._decode(q.index_select(0, batch.tokens), keys, values, batch, scale, group)
             out.index_copy_(0, batch.tokens, attended.reshape(batch.num_seqs, num_heads, head_dim))
@@ -236,13 +260,25 @@ class CpuPagedAttention:
             self._buffers[key] = buffer
         return buffer[:size]
 
-    def _gather(self, name: str, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    def _gather(self, name: str, cache: torch.Tensor, block_ids: torch.Tensor, scale: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.Tensor:
         """The blocks ``block_ids`` of every KV head, ``[kv_heads, rows, block_size, head_dim]``, written
-        into a buffer that grows as needed and is reused after.
+        into a buffer that grows as needed and is reused after; an 8-bit cache's blocks are gathered
+        as bytes and then dequantized to ``dtype`` into a second such buffer.
 
         Whole blocks are copied as flat rows: index_select on a 3-D view is ~10% faster
         than on the 4-D cache (measured on 5-66 MB gathers).
         """
+        if cache.dtype in FP8_DTYPES:
+            stored = self._gather_rows(name, cache, block_ids)
+            readable = self._reused((name + "-dequantized", dtype, cache.device, tuple(stored.shape[2:])),
+                                    stored.numel()).view(stored.shape)
+            readable.copy_(stored)
+            return readable.mul_(_scale_value(scale))
+        return self._gather_rows(name, cache, block_ids)
+
+    def _gather_rows(self, name: str, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`_gather` without dequantizing: the cache's own dtype."""
         num_blocks, block_size, num_kv_heads, head_dim = cache.shape
         width = block_size * head_dim
         size = num_kv_heads * block_ids.numel() * width

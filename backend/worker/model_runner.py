@@ -13,6 +13,7 @@ from pagedllm.worker.input_batch import InputBatch, StepInputs
 from pagedllm.models import CausalLM
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.parallel.step_wire import broadcast_step
+from pagedllm.planning.kv_math import kv_block_bytes
 
 # The KV budget on a CPU when kv_cache_memory_gb is not given.
 CPU_KV_BUDGET_BYTES = 1 << 30
@@ -64,8 +65,9 @@ class ModelRunner:
 
     @staticmethod
     def bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
+        """``dtype``: the cache's (an 8-bit KV cache holds twice the blocks of a bf16 one)."""
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * element
+        return kv_block_bytes(model.num_layers, model.num_kv_heads, model.head_dim, block_size, element)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.kernels.reference import FP8_DTYPES
 from pagedllm.worker.cpu_attention_plan import NativeDecodes
 from pagedllm.worker.native_build import CACHE_ENV, load_library
 
@@ -30,8 +31,8 @@ SWITCH_ENV = "PAGEDLLM_NATIVE_ATTENTION"  # "0": never build or load it
 
 
 class NativeDecode:
-    """``pagedllm_paged_decode_f32`` and ``pagedllm_write_kv_f32`` with their argument types; see
-    ``paged_decode.c`` for the contracts."""
+    """``pagedllm_paged_decode_f32``, ``pagedllm_paged_decode_fp8`` and ``pagedllm_write_kv_f32`` with their
+    argument types; see ``paged_decode.c`` for the contracts."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         pointer, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -39,6 +40,14 @@ class NativeDecode:
         self._function.restype = ctypes.c_int
         self._function.argtypes = [pointer, pointer, pointer, pointer, pointer, i64, pointer, i64, i64, i64, i64, i64,
                                    i64, ctypes.c_float, i64, ctypes.c_int, pointer, pointer]
+        self._function_fp8 = library.pagedllm_paged_decode_fp8
+        self._function_fp8.restype = ctypes.c_int
+        self._function_fp8.argtypes = [pointer, pointer, pointer, pointer, ctypes.c_float, ctypes.c_float, pointer,
+                                       pointer, i64, pointer, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
+                                       ctypes.c_int, pointer, pointer]
+        # What each byte of an 8-bit cache stands for, per format (before the layer's scale).
+        self._byte_tables = {dtype: torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+                             for dtype in FP8_DTYPES}
         self._write = library.pagedllm_write_kv_f32
         self._write.restype = i64
         self._write.argtypes = [pointer, pointer, i64, pointer, i64, i64, i64, i64, pointer, pointer]
@@ -69,23 +78,28 @@ class NativeDecode:
     def __call__(
         self,
         q: torch.Tensor,  # float32 contiguous [num_tokens, num_heads, head_dim]
-        k_cache: torch.Tensor,  # float32 contiguous head-major [kv_heads, num_blocks, block_size, head_dim]
+        k_cache: torch.Tensor,  # float32 or 8-bit, contiguous head-major [kv_heads, num_blocks, block_size, head_dim]
         v_cache: torch.Tensor,
         decodes: NativeDecodes,
         scale: float,
         out: torch.Tensor,  # float32 contiguous, q's shape: the decodes' rows are written
         lse: torch.Tensor,  # float32 contiguous [num_tokens, num_heads]: the decodes' rows are written
+        k_scale: float = 1.0,  # an 8-bit cache's scales
+        v_scale: float = 1.0,
     ) -> None:
         kv_heads, num_blocks, block_size, head_dim = k_cache.shape
         # C does not bound-check: a bad table would read outside the cache instead of raising.
         if decodes.lowest_block < 0 or decodes.highest_block >= num_blocks:
             raise ValueError(f"block table holds ids outside [0, {num_blocks})")
         rows, block_table, lens = decodes.addresses
-        failed = self._function(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows, block_table, decodes.block_table.shape[1],
-            lens, len(decodes.rows), kv_heads, q.shape[1] // kv_heads, head_dim, num_blocks, block_size, scale,
-            decodes.max_len, torch.get_num_threads(), out.data_ptr(), lse.data_ptr(),
-        )
+        layout = (rows, block_table, decodes.block_table.shape[1], lens, len(decodes.rows), kv_heads,
+                  q.shape[1] // kv_heads, head_dim, num_blocks, block_size, scale, decodes.max_len,
+                  torch.get_num_threads(), out.data_ptr(), lse.data_ptr())
+        if k_cache.dtype in FP8_DTYPES:
+            failed = self._function_fp8(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                        self._byte_tables[k_cache.dtype].data_ptr(), k_scale, v_scale, *layout)
+        else:
+            failed = self._function(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *layout)
         if failed:
             raise MemoryError(f"paged decode attention could not allocate {4 * q.shape[1] * decodes.max_len} bytes "
                               "of scratch space")

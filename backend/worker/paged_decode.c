@@ -6,7 +6,9 @@
  * block is one contiguous [block_size, head_dim] matrix. A KV head's query heads (its "group")
  * attend together, so each K and V row is loaded once for all of them.
  *
- * float32 only. -ffast-math is avoided on purpose: on gcc < 13 it links crtfastmath.o, which
+ * float32 queries; the caches are float32, or 8-bit (fp8) read through a 256-entry table of what each byte
+ * stands for times the layer's scale, one block at a time into a float scratch block, so that no
+ * full-precision copy of a context is ever made. -ffast-math is avoided on purpose: on gcc < 13 it links crtfastmath.o, which
  * flips the whole process to flush-to-zero when the library is loaded. Its exp is therefore
  * spelled out (exp_nonpositive.h), so that the compiler can vectorize it without libmvec.
  */
@@ -135,20 +137,45 @@ static inline void prefetch_first_blocks(const float* head, const int64_t* block
             prefetch_rows(head + blocks[j] * block_size * head_dim, row, head_dim);
 }
 
+/* An 8-bit cache: one KV head's blocks, and what each byte value stands for (scale included). */
+typedef struct {
+    const uint8_t* head;
+    const float* table; /* [256] */
+} fp8_head;
+
+/* rows x head_dim bytes of an 8-bit block as floats in scratch. */
+static inline const float* dequantize_block(const uint8_t* block, int64_t rows, int64_t head_dim, const float* table,
+                                            float* scratch) {
+    for (int64_t i = 0; i < rows * head_dim; ++i) scratch[i] = table[block[i]];
+    return scratch;
+}
+
+/* Block j's rows: in place for a float32 cache, dequantized into scratch for an 8-bit one (k8.head set). */
+static inline __attribute__((always_inline)) const float* block_rows(const float* head, fp8_head k8,
+                                                                     const int64_t* blocks, int64_t j, int64_t rows,
+                                                                     int64_t block_numel, int64_t head_dim,
+                                                                     float* scratch) {
+    if (k8.head) return dequantize_block(k8.head + blocks[j] * block_numel, rows, head_dim, k8.table, scratch);
+    return head + blocks[j] * block_numel;
+}
+
 /* One sequence, one KV head: out[g] = softmax(scale * q[g] K^T) V and lse[g] its log-sum-exp.
- * Inlined into each call site so that a constant head_dim unrolls the row loops. */
+ * Inlined into each call site so that a constant head_dim unrolls the row loops, and a float32 cache
+ * (k8.head and v8.head NULL) loses the 8-bit branches. An 8-bit cache is not prefetched: its blocks
+ * are a quarter of the size, and the dequantizing pass reads them in order. */
 static inline __attribute__((always_inline)) void attend_head(const float* q, int64_t group, int64_t head_dim, const float* k_head, const float* v_head,
                         const int64_t* blocks, int64_t len, int64_t block_size, float scale,
-                        float* out, float* lse, float* scores /* [group, len] */) {
+                        float* out, float* lse, float* scores /* [group, len] */,
+                        fp8_head k8, fp8_head v8, float* scratch /* [block_size, head_dim] when 8-bit */) {
     const int64_t block_numel = block_size * head_dim;
     const int64_t ahead = PREFETCH_DISTANCE * block_size;
     const int chunked = rows16(head_dim);
     (void)chunked;
-    prefetch_first_blocks(k_head, blocks, len, block_size, head_dim);
+    if (!k8.head) prefetch_first_blocks(k_head, blocks, len, block_size, head_dim);
     for (int64_t start = 0, j = 0; start < len; start += block_size, ++j) {
-        const float* keys = k_head + blocks[j] * block_numel;
-        const float* next = start + ahead < len ? k_head + blocks[j + PREFETCH_DISTANCE] * block_numel : NULL;
         const int64_t rows = len - start < block_size ? len - start : block_size;
+        const float* keys = block_rows(k_head, k8, blocks, j, rows, block_numel, head_dim, scratch);
+        const float* next = !k8.head && start + ahead < len ? k_head + blocks[j + PREFETCH_DISTANCE] * block_numel : NULL;
         int64_t t = 0;
 #ifdef PAGEDLLM_ROWS16
         for (; chunked && t + ROWS16 <= rows; t += ROWS16) {
@@ -162,7 +189,7 @@ static inline __attribute__((always_inline)) void attend_head(const float* q, in
                 scores[g * len + start + t] = dot(q + g * head_dim, keys + t * head_dim, head_dim) * scale;
         }
     }
-    prefetch_first_blocks(v_head, blocks, len, block_size, head_dim);
+    if (!v8.head) prefetch_first_blocks(v_head, blocks, len, block_size, head_dim);
     for (int64_t g = 0; g < group; ++g) {
         float* s = scores + g * len;
         float max = -FLT_MAX;
@@ -181,9 +208,9 @@ static inline __attribute__((always_inline)) void attend_head(const float* q, in
         for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = 0.0f;
     }
     for (int64_t start = 0, j = 0; start < len; start += block_size, ++j) {
-        const float* values = v_head + blocks[j] * block_numel;
-        const float* next = start + ahead < len ? v_head + blocks[j + PREFETCH_DISTANCE] * block_numel : NULL;
         const int64_t rows = len - start < block_size ? len - start : block_size;
+        const float* values = block_rows(v_head, v8, blocks, j, rows, block_numel, head_dim, scratch);
+        const float* next = !v8.head && start + ahead < len ? v_head + blocks[j + PREFETCH_DISTANCE] * block_numel : NULL;
         int64_t t = 0;
 #ifdef PAGEDLLM_ROWS16
         for (; chunked && t + ROWS16 <= rows; t += ROWS16) {
@@ -201,40 +228,72 @@ static inline __attribute__((always_inline)) void attend_head(const float* q, in
 
 /* q, out: [tokens, kv_heads * group, head_dim]; lse: [tokens, kv_heads * group].
  * Sequence i's query is token rows[i]; it attends to the first lens[i] cache slots its block-table row lists.
+ * A float32 cache passes k_cache/v_cache and NULL k8/v8; an 8-bit one passes k8/v8 and the byte tables.
  * Returns 0, or 1 when the scratch buffer could not be allocated (out and lse are then undefined). */
-int pagedllm_paged_decode_f32(const float* q, const float* k_cache, const float* v_cache,
-                              const int64_t* rows, const int64_t* block_table, int64_t table_width,
-                              const int64_t* lens, int64_t num_seqs,
-                              int64_t kv_heads, int64_t group, int64_t head_dim, int64_t num_blocks,
-                              int64_t block_size, float scale, int64_t max_len, int threads,
-                              float* out, float* lse) {
+static int paged_decode(const float* q, const float* k_cache, const float* v_cache, const uint8_t* k8,
+                        const uint8_t* v8, const float* k_table, const float* v_table, const int64_t* rows,
+                        const int64_t* block_table, int64_t table_width, const int64_t* lens, int64_t num_seqs,
+                        int64_t kv_heads, int64_t group, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                        float scale, int64_t max_len, int threads, float* out, float* lse) {
     int failed = 0;
     const int64_t heads = kv_heads * group;
     const int64_t head_numel = num_blocks * block_size * head_dim;
+    const int64_t scratch_numel = k8 ? block_size * head_dim : 0;
 #pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
     {
-        float* scores = malloc(sizeof(float) * (size_t)(group * (max_len > 0 ? max_len : 1)));
+        float* scores = malloc(sizeof(float) * (size_t)(group * (max_len > 0 ? max_len : 1) + scratch_numel));
+        float* scratch = scores ? scores + group * (max_len > 0 ? max_len : 1) : NULL;
         failed = scores == NULL;
 #pragma omp for schedule(dynamic, 4)
         for (int64_t i = 0; i < num_seqs * kv_heads; ++i) {
             if (scores == NULL) continue;
             const int64_t seq = i / kv_heads, head = i % kv_heads;
             const int64_t offset = rows[seq] * heads + head * group;
-            const float *q_head = q + offset * head_dim, *k_head = k_cache + head * head_numel,
-                        *v_head = v_cache + head * head_numel;
+            const float* q_head = q + offset * head_dim;
+            const float *k_head = k8 ? NULL : k_cache + head * head_numel, *v_head = v8 ? NULL : v_cache + head * head_numel;
+            const fp8_head k_bytes = {k8 ? k8 + head * head_numel : NULL, k_table};
+            const fp8_head v_bytes = {v8 ? v8 + head * head_numel : NULL, v_table};
             const int64_t* blocks = block_table + seq * table_width;
             float *out_head = out + offset * head_dim, *lse_head = lse + offset;
             if (head_dim == 64)
-                attend_head(q_head, group, 64, k_head, v_head, blocks, lens[seq], block_size, scale, out_head, lse_head, scores);
+                attend_head(q_head, group, 64, k_head, v_head, blocks, lens[seq], block_size, scale, out_head, lse_head,
+                            scores, k_bytes, v_bytes, scratch);
             else if (head_dim == 128)
-                attend_head(q_head, group, 128, k_head, v_head, blocks, lens[seq], block_size, scale, out_head, lse_head, scores);
+                attend_head(q_head, group, 128, k_head, v_head, blocks, lens[seq], block_size, scale, out_head, lse_head,
+                            scores, k_bytes, v_bytes, scratch);
             else
                 attend_head(q_head, group, head_dim, k_head, v_head, blocks, lens[seq], block_size, scale, out_head,
-                            lse_head, scores);
+                            lse_head, scores, k_bytes, v_bytes, scratch);
         }
         free(scores);
     }
     return failed;
+}
+
+int pagedllm_paged_decode_f32(const float* q, const float* k_cache, const float* v_cache,
+                              const int64_t* rows, const int64_t* block_table, int64_t table_width,
+                              const int64_t* lens, int64_t num_seqs,
+                              int64_t kv_heads, int64_t group, int64_t head_dim, int64_t num_blocks,
+                              int64_t block_size, float scale, int64_t max_len, int threads,
+                              float* out, float* lse) {
+    return paged_decode(q, k_cache, v_cache, NULL, NULL, NULL, NULL, rows, block_table, table_width, lens, num_seqs,
+                        kv_heads, group, head_dim, num_blocks, block_size, scale, max_len, threads, out, lse);
+}
+
+/* pagedllm_paged_decode_f32 over 8-bit caches: byte b of the K cache stands for k_table[b] (the format's
+ * value of b) times k_scale, and likewise for V. */
+int pagedllm_paged_decode_fp8(const float* q, const uint8_t* k_cache, const uint8_t* v_cache, const float* byte_table,
+                              float k_scale, float v_scale, const int64_t* rows, const int64_t* block_table,
+                              int64_t table_width, const int64_t* lens, int64_t num_seqs, int64_t kv_heads,
+                              int64_t group, int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale,
+                              int64_t max_len, int threads, float* out, float* lse) {
+    float k_table[256], v_table[256];
+    for (int b = 0; b < 256; ++b) {
+        k_table[b] = byte_table[b] * k_scale;
+        v_table[b] = byte_table[b] * v_scale;
+    }
+    return paged_decode(q, NULL, NULL, k_cache, v_cache, k_table, v_table, rows, block_table, table_width, lens,
+                        num_seqs, kv_heads, group, head_dim, num_blocks, block_size, scale, max_len, threads, out, lse);
 }
 
 /* The cache's write side: token t's key and value rows (kv_heads x head_dim, rows row_stride floats

@@ -1,0 +1,89 @@
+"""The engine with an 8-bit KV cache: four times the blocks of float32 at the same budget, the planner
+agreeing, measured scales, and prefix caching, parallel sampling, beams and preemption behaving as blocks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.planning.kv_math import Deployment, capacity
+from pagedllm.planning.model_catalog import resolve_model
+from pagedllm.planning.gpu_catalog import this_cpu
+from pagedllm.worker.model_runner import ModelRunner
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# Longer than two blocks each, so that prefix caching has full blocks to share.
+PROMPTS = [f"{head}\n" + "x = [i * i for i in range(100) if i % 3 == 0]\n" * 4
+           for head in ("def main():", "import os\nimport sys", "for i in range(10):")]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_fp8_cache_holds_four_times_the_float32_blocks(tiny_model_dir, arch: str) -> None:
+    model = str(tiny_model_dir(arch))
+    full = LLM(model, dtype="float32", num_kv_blocks=8, attention_backend="torch").engine
+    budget_blocks = 64
+    budget_gb = budget_blocks * ModelRunner.bytes_per_block(full.model, 16, torch.float32) / (1 << 30)
+    common = dict(dtype="float32", kv_cache_memory_gb=budget_gb, max_num_seqs=512, attention_backend="torch")
+    fp32 = LLM(model, **common).stats().num_blocks_total
+    fp8 = LLM(model, kv_cache_dtype="fp8_e4m3", **common)
+    assert fp32 == budget_blocks
+    assert fp8.stats().num_blocks_total == 4 * fp32
+    assert fp8.engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+
+
+def test_plan_counts_the_engine_s_fp8_blocks(tiny_model_dir) -> None:
+    model = str(tiny_model_dir("qwen2"))
+    engine = LLM(model, dtype="float32", kv_cache_dtype="fp8_e5m2", kv_cache_memory_gb=0.01, max_num_seqs=512,
+                 max_model_len=256, attention_backend="torch").engine
+    planned = capacity(Deployment(resolve_model(model), this_cpu(), "float32", "fp8_e5m2", block_size=16,
+                                  max_model_len=256, max_num_seqs=512, kv_cache_memory_gb=0.01))
+    assert planned.engine_kv_blocks == engine.kv.num_blocks
+
+
+def _tokens(llm: LLM, prompts: list[str], params: SamplingParams) -> list[list[tuple[int, ...]]]:
+    return [[tuple(c.token_ids) for c in out.outputs] for out in llm.generate(prompts, params)]
+
+
+def test_fp8_cache_sharing_and_preemption_leave_tokens_unchanged(tiny_model_dir) -> None:
+    model = str(tiny_model_dir("llama"))
+    common = dict(dtype="float32", kv_cache_dtype="fp8_e4m3", attention_backend="torch", max_num_seqs=8)
+    roomy = LLM(model, num_kv_blocks=256, **common)
+    expected = _tokens(roomy, PROMPTS, GREEDY)
+    # prefix-cache hits: the same prompts again read the blocks the first run left
+    assert _tokens(roomy, PROMPTS, GREEDY) == expected
+    assert roomy.stats().prefix_cache_hit_tokens > 0
+    uncached = LLM(model, num_kv_blocks=256, enable_prefix_caching=False, **common)
+    assert _tokens(uncached, PROMPTS, GREEDY) == expected
+    # too few blocks for all three at once: preempted and recomputed, same tokens
+    tight = LLM(model, num_kv_blocks=12, **common)
+    assert _tokens(tight, PROMPTS, GREEDY) == expected
+    assert tight.stats().num_preemptions > 0
+    # parallel samples share the prompt's blocks and copy the last one on write
+    sampled = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7)
+    assert _tokens(roomy, PROMPTS[:1], sampled) == _tokens(uncached, PROMPTS[:1], sampled)
+    beams = SamplingParams(n=2, beam_width=3, max_tokens=6, temperature=0.0)
+    assert _tokens(roomy, PROMPTS[:1], beams) == _tokens(uncached, PROMPTS[:1], beams)
+    assert roomy.stats().num_blocks_free == roomy.stats().num_blocks_total - roomy.stats().num_blocks_used
+
+
+def test_calculated_scales_are_set_by_the_first_prefill(tiny_model_dir) -> None:
+    llm = LLM(str(tiny_model_dir("qwen3")), dtype="float32", kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True,
+              num_kv_blocks=64, attention_backend="torch")
+    layers = llm.engine.model.model.layers
+    assert all(layer.self_attn.kv_scales.pending for layer in layers)
+    llm.generate(PROMPTS[:1], GREEDY)
+    scales = [float(layer.self_attn.kv_scales.k) for layer in layers]
+    assert not any(layer.self_attn.kv_scales.pending for layer in layers)
+    assert all(scale != 1.0 and scale > 0 for scale in scales)
+    llm.generate(PROMPTS[1:2], GREEDY)  # measured once: later prefills keep them
+    assert [float(layer.self_attn.kv_scales.k) for layer in layers] == scales
+
+
+def test_auto_keeps_the_model_dtype_and_no_scales(tiny_model_dir) -> None:
+    engine: LLMEngine = LLM(str(tiny_model_dir("llama")), dtype="float32", num_kv_blocks=16,
+                            attention_backend="torch").engine
+    assert engine.kv_cache_dtype == torch.float32
+    assert all(layer.self_attn.kv_scales is None for layer in engine.model.model.layers)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(str(tiny_model_dir("llama")), kv_cache_dtype="int8")
