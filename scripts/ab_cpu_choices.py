@@ -29,7 +29,7 @@ import pagedllm.worker.cpu_attention_plan as cpu_plan
 from pagedllm import LLM
 from pagedllm.bench.engines import pagedllm_params
 from pagedllm.bench.models import bench_model
-from pagedllm.bench.workloads import make_workload
+from pagedllm.simulation.workloads import make_workload
 from pagedllm.worker.attention_backend import torch_backend
 from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.worker.cpu_attention import new_cpu_cache

@@ -55,7 +55,7 @@ OUT="$(cd "$OUT" && pwd)"
 IFS=, read -ra SIZES <<< "$MODELS"
 for size in "${SIZES[@]}"; do
   if [[ "$size" == small ]]; then scale="$SMALL_SCALE"; kinds="$SMALL_WORKLOADS"; else scale="$SCALE"; kinds="$WORKLOADS"; fi
-  "$PROJECT_PYTHON" -m pagedllm.bench.workloads --scale "$scale" --kinds "$kinds" --out "$OUT/workloads" >/dev/null
+  "$PROJECT_PYTHON" -m pagedllm.simulation.workloads --scale "$scale" --kinds "$kinds" --out "$OUT/workloads" >/dev/null
   model_dir="$("$PROJECT_PYTHON" -c "from pagedllm.bench.models import bench_model; print(bench_model('$size'))")"
   IFS=, read -ra KINDS <<< "$kinds"
   files=()

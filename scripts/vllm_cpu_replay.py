@@ -2,7 +2,7 @@
 
 Runs inside the separate venv that scripts/vllm_cpu_bench.sh builds, so it
 imports nothing from pagedllm: the workload format and the output rows are
-read and written here by hand, matching ``pagedllm.bench.workloads`` and
+read and written here by hand, matching ``pagedllm.simulation.workloads`` and
 ``pagedllm.bench.engines.RunResult``. Engine settings mirror
 ``pagedllm bench throughput``'s defaults (batch 32, 2048-token step budget,
 float32, max_model_len = longest request rounded up to a block). The one
@@ -35,7 +35,7 @@ from typing import Any, TextIO
 
 
 def fingerprint(workload: dict[str, Any]) -> str:
-    """Same hash as ``pagedllm.bench.workloads.Workload.fingerprint``."""
+    """Same hash as ``pagedllm.simulation.workloads.Workload.fingerprint``."""
     return hashlib.sha256(json.dumps(workload, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -1,9 +1,9 @@
 """The sharing benchmarks measure what they claim: branching chats and beam groups hold less KV than copies."""
 from __future__ import annotations
 
-from pagedllm.bench.null_engine import NullEngine
+from pagedllm.simulation.null_engine import NullEngine
 from pagedllm.bench.sharing import branching_chat
-from pagedllm.bench.workloads import branching_levels, make_workload
+from pagedllm.simulation.workloads import branching_levels, make_workload
 from pagedllm.sampling_params import SamplingParams
 
 

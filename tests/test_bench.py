@@ -20,7 +20,7 @@ import pytest
 from pagedllm.bench import memory, overhead, throughput
 from pagedllm.bench.engines import ENGINES, RunResult, agreement
 from pagedllm.bench.vllm_cpu import VllmReplayer, load_vllm
-from pagedllm.bench.workloads import KINDS, Workload, long_tail_lengths, make_workload
+from pagedllm.simulation.workloads import KINDS, Workload, long_tail_lengths, make_workload
 
 
 @pytest.fixture(autouse=True)

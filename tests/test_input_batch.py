@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.bench.null_engine import NullEngine
+from pagedllm.simulation.null_engine import NullEngine
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import InputBatch, batch_size_buckets

@@ -18,7 +18,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.bench.null_engine import NullEngine
+from pagedllm.simulation.null_engine import NullEngine
 from pagedllm.core.beam_search import BeamCandidate
 from pagedllm.core.request import Request, SequenceStatus
 from pagedllm.core.scheduler import SchedulerOutput

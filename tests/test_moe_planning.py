@@ -83,7 +83,8 @@ def test_tensor_parallel_ranks_hold_a_slice_of_every_expert() -> None:
 def test_plan_without_traffic_prints_weights_active_bytes_and_kv_capacity(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--model", "Qwen3-30B-A3B", "--gpu", "H100-SXM"]) == 0
     out = capsys.readouterr().out
-    rows = dict(line.split("  ", 1) for line in out.splitlines())
+    rows = dict(line.split("  ", 1) for line in out.split("\n\n")[0].splitlines())
+    assert "max_model_len → max concurrency" in out
     assert rows["model"].strip().startswith("Qwen3-30B-A3B (30.53B parameters")
     assert rows["weights per GPU"].strip() == "56.87 GiB"
     assert rows["active parameters"].strip().startswith("3.35B per token (8 of 128 experts")

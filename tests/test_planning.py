@@ -79,7 +79,7 @@ def test_impossible_plans_name_the_reason_and_what_would_fit() -> None:
 
     with pytest.raises(PlanDoesNotFit, match="longest request needs 200 tokens"):
         check(Deployment(CATALOG["Llama-3.1-8B"], GPUS["H200"], max_model_len=128), requests)
-    with pytest.raises(ValueError, match="does not divide Llama-3.1-8B's 32 attention heads"):
+    with pytest.raises(ValueError, match="Llama-3.1-8B: tensor_parallel_size=3 does not divide the model's 32 attention heads"):
         capacity(Deployment(CATALOG["Llama-3.1-8B"], GPUS["H200"], tensor_parallel_size=3))
 
 

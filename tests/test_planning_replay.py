@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.bench.null_engine import NullEngine
-from pagedllm.bench.workloads import KINDS, make_workload
+from pagedllm.simulation.null_engine import NullEngine
+from pagedllm.simulation.workloads import KINDS, make_workload
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.planning.calibrate import Batch, calibrate, random_checkpoint

@@ -28,6 +28,8 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.parallel.workers import WorkerDied
+from pagedllm.planning.kv_math import kv_bytes_per_token
+from pagedllm.planning.model_catalog import resolve_model
 from pagedllm.testing.tiny_model import make_tiny_model
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -90,6 +92,10 @@ def test_tp_kv_cache_is_per_rank(tiny_model_dir: Callable[[str], Path]) -> None:
         assert per_block[0] == 2 * per_block[1]
         for llm, size in zip((one, two), per_block):
             assert llm.stats().num_blocks_total == int(budget * (1 << 30)) // size
+        # pagedllm plan counts what the engine allocates, per rank, by the same sharding rules.
+        spec = resolve_model(model_dir)
+        for size, tp in zip(per_block, (1, 2)):
+            assert kv_bytes_per_token(spec, "float32", tp) * 16 == size
 
 
 @pytest.mark.parametrize(("size", "message"), [

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagedllm.bench.workloads import Workload, WorkloadRequest
+from pagedllm.simulation.workloads import Workload, WorkloadRequest
 
 ENGINES = ("pagedllm-continuous", "pagedllm-static", "hf-generate", "hf-continuous")
 BASELINE = "pagedllm-continuous"

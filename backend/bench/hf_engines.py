@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from pagedllm.bench.engines import EngineSettings, RunResult
-from pagedllm.bench.workloads import Workload, WorkloadRequest
+from pagedllm.simulation.workloads import Workload, WorkloadRequest
 
 PAD_ID = 0
 STALL_TIMEOUT_S = 120.0  # no sample finished for this long: the manager is stuck

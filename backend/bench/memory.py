@@ -33,8 +33,8 @@ from tqdm import tqdm
 from pagedllm.bench import report
 from pagedllm.bench.engines import pagedllm_params
 from pagedllm.bench.models import bench_model
-from pagedllm.bench.null_engine import NullEngine
-from pagedllm.bench.workloads import KINDS, SCALES, Workload, WorkloadRequest, make_workload
+from pagedllm.simulation.null_engine import NullEngine
+from pagedllm.simulation.workloads import KINDS, SCALES, Workload, WorkloadRequest, make_workload
 
 DEFAULT_BATCHED_TOKENS = 2048  # EngineConfig's default max_num_batched_tokens
 WASTE_TARGETS = {"paged": ("<", 0.02), "max-length reservation": (">", 0.60)}

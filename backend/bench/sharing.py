@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.bench import report
-from pagedllm.bench.null_engine import NullEngine
-from pagedllm.bench.workloads import SCALES, Workload, branching_levels, make_workload
+from pagedllm.simulation.null_engine import NullEngine
+from pagedllm.simulation.workloads import SCALES, Workload, branching_levels, make_workload
 from pagedllm.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16

@@ -32,9 +32,9 @@ from typing import Any
 from pagedllm.bench import report
 from pagedllm.bench.engines import BASELINE, ENGINES, EngineSettings, RunResult, agreement, pagedllm_params, runner
 from pagedllm.bench.models import bench_model
-from pagedllm.bench.null_engine import NullEngine
+from pagedllm.simulation.null_engine import NullEngine
 from pagedllm.bench.vllm_cpu import VLLM, VllmReplayer, build_vllm_venv, load_vllm, save_vllm
-from pagedllm.bench.workloads import KINDS, SCALES, Workload, make_workload
+from pagedllm.simulation.workloads import KINDS, SCALES, Workload, make_workload
 
 VOCAB_SIZE = 2048  # ids valid for both the tiny and the small tokenizer
 TARGETS = (("pagedllm-static", 3.0), ("hf-generate", 3.0), (VLLM, 1.0))  # continuous must be >= ratio x these

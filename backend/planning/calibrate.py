@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.bench.null_engine import NullEngine
+from pagedllm.simulation.null_engine import NullEngine
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import DEFAULT_MODEL_DIR, LLMEngine
 from pagedllm.planning.model_catalog import ModelSpec, spec_from_config

@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument("--no-prefix-caching", action="store_true")
     traffic = parser.add_argument_group("traffic (a workload file, or Poisson arrivals)")
-    traffic.add_argument("--workload", type=Path, help="JSON written by pagedllm.bench.workloads; arrives at once "
+    traffic.add_argument("--workload", type=Path, help="JSON written by pagedllm.simulation.workloads; arrives at once "
                                                        "unless --qps is given")
     traffic.add_argument("--qps", type=float, help="requests per second (Poisson)")
     traffic.add_argument("--prompt-len", default="512", help="N, LO-HI, uniform:LO-HI or longtail:LO-HI")

@@ -15,6 +15,7 @@ import numpy as np
 
 from pagedllm.planning.gpu_catalog import GIB, Accelerator
 from pagedllm.planning.model_catalog import ModelSpec
+from pagedllm.parallel.sharding import ModelShape, ShardLayout, shard_layout
 
 # "fp8", "fp8_e4m3", "fp8_e5m2": an 8-bit KV cache (the engine's kv_cache_dtype names the last two).
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
@@ -69,28 +70,32 @@ class KvCapacity:
     engine_kv_blocks: int  # what the engine allocates: never more than max_num_seqs full-length sequences use
 
 
+def rank_layout(model: ModelSpec, tensor_parallel_size: int) -> ShardLayout:
+    """What one GPU holds, by the engine's own sharding rules (``pagedllm.parallel.sharding``)."""
+    shape = ModelShape(model.num_heads, model.num_kv_heads, model.head_dim, model.intermediate_size, model.vocab_size)
+    try:
+        return shard_layout(shape, 0, tensor_parallel_size)
+    except ValueError as error:
+        raise ValueError(f"{model.name}: {error}") from None
+
+
 def kv_heads_per_gpu(model: ModelSpec, tensor_parallel_size: int) -> int:
     """KV heads each GPU holds; replicated (one per GPU) when there are more GPUs than KV heads, as in vLLM."""
-    tp = tensor_parallel_size
-    if model.num_heads % tp:
-        raise ValueError(
-            f"--tensor-parallel-size={tp} does not divide {model.name}'s {model.num_heads} attention heads")
-    if model.num_kv_heads % tp and tp % model.num_kv_heads:
-        raise ValueError(f"--tensor-parallel-size={tp} and {model.name}'s {model.num_kv_heads} KV heads: "
-                         "one must divide the other")
-    return max(1, model.num_kv_heads // tp)
+    return rank_layout(model, tensor_parallel_size).num_kv_heads
 
 
 def weights_bytes_per_gpu(model: ModelSpec, dtype: str, tensor_parallel_size: int) -> int:
     """Weights on one GPU: layers and vocabulary sharded, K/V projections replicated past the KV head count."""
-    tp = tensor_parallel_size
-    kv_width = kv_heads_per_gpu(model, tp) * model.head_dim
-    q_width = model.num_heads * model.head_dim // tp
+    layout = rank_layout(model, tensor_parallel_size)
+    kv_width = layout.num_kv_heads * model.head_dim
+    q_width = layout.num_heads * model.head_dim
     per_layer = 2 * model.hidden_size * q_width + 2 * model.hidden_size * kv_width
     if model.qkv_bias:
         per_layer += q_width + 2 * kv_width
+    tables = 1 if model.tie_word_embeddings else 2
     # Gated MLPs and every expert split by their intermediate rows (each rank holds a slice of every expert).
-    params = model.num_layers * per_layer + model.mlp_params // tp + model.embedding_params // tp + model.norm_params
+    params = (model.num_layers * per_layer + model.mlp_params // layout.size
+              + tables * layout.vocab_per_rank * model.hidden_size + model.norm_params)
     return params * DTYPE_BYTES[dtype]
 
 

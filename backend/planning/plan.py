@@ -172,7 +172,10 @@ def capacity_summary(deployment: Deployment, cap: KvCapacity) -> str:
     """The memory side of a plan, for when no traffic is given to replay."""
     rows = _capacity_rows(deployment, cap)
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    table = max_model_len_table(cap.kv_tokens, deployment.model.context_limit, cap.max_model_len)
+    lines += ["", "max_model_len → max concurrency"] + [f"  {n:>9,}  {c:10.2f}×" for n, c in table.items()]
+    return "\n".join(lines)
 
 
 def _capacity_rows(d: Deployment, cap: KvCapacity) -> list[tuple[str, str]]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedllm.bench.null_engine import NullEngine
+from pagedllm.simulation.null_engine import NullEngine
 from pagedllm.core.request import Request
 from pagedllm.planning.step_time import StepShape
 from pagedllm.planning.traffic import TimedRequest

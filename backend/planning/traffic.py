@@ -1,6 +1,6 @@
 """The traffic to plan for: a benchmark workload file, or Poisson arrivals with length distributions.
 
-A workload file (``pagedllm.bench.workloads``) without ``--qps`` arrives all
+A workload file (``pagedllm.simulation.workloads``) without ``--qps`` arrives all
 at once, as ``pagedllm bench throughput`` submits it; with ``--qps`` its
 requests arrive as a Poisson process at that rate, in file order.
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedllm.bench.workloads import Workload, long_tail_lengths
+from pagedllm.simulation.workloads import Workload, long_tail_lengths
 
 SYNTHETIC_VOCAB = 32000  # prompt ids are random, so prefix caching finds nothing to share
 

@@ -12,7 +12,7 @@ then replay the workload with each calibration. On a shared machine the load
 drifts between the three; the two calibrations bracket the timed run, and
 their mean is the prediction compared. The same comparison in this process's
 CPU time (steps fitted to CPU time, the timed run's CPU time) shows the
-model's own error apart from the machine's load. ``python -m pagedllm.planning.validate``.
+model's own error apart from the machine's load. ``python -m pagedllm.bench.plan_validation``.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pagedllm.bench import report
 from pagedllm.bench.engines import EngineSettings, run_pagedllm
 from pagedllm.bench.models import bench_model
 from pagedllm.bench.throughput import VOCAB_SIZE, engine_steps
-from pagedllm.bench.workloads import make_workload
+from pagedllm.simulation.workloads import make_workload
 from pagedllm.planning.calibrate import calibrate
 from pagedllm.planning.gpu_catalog import this_cpu
 from pagedllm.planning.kv_math import Deployment
