@@ -64,6 +64,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Per prompt token after the first: its logprob and the top ``prompt_logprobs`` (vLLM's name and shape);
+    # such a request computes its whole prompt, without prefix-cache hits.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Beam search (off at width 1): transformers' ``num_beams``, ``length_penalty`` and
     # ``early_stopping`` (True, False or "never"); ``n`` picks how many hypotheses come back.
@@ -96,6 +99,8 @@ class SamplingParams:
             "min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})",
         )
         _check(self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, "must be >= 0")
+        _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs", self.prompt_logprobs,
+               "must be >= 0")
         _check(self.timeout is None or self.timeout > 0, "timeout", self.timeout, "must be > 0 (seconds)")
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"<{len(self.stop)} strings>",
                f"at most {MAX_STOP_STRINGS} stop strings")

@@ -76,7 +76,8 @@ class KVCacheManager:
         the blocks already matched, so a key collision costs a miss, never KV
         computed for other tokens.
         """
-        if not self.enable_prefix_caching:
+        # A request for prompt logprobs computes every prompt position (vLLM skips the cache for them too).
+        if not self.enable_prefix_caching or seq.request.params.prompt_logprobs is not None:
             return NO_MATCH
         blocks: list[Block] = []
         hashes: list[BlockKey] = []

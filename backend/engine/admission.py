@@ -61,6 +61,8 @@ def check_request(prompt_ids: list[int], params: SamplingParams, limits: Admissi
         )
     if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
         raise ValueError(f"logprobs={params.logprobs} is invalid: at most {MAX_LOGPROBS}")
+    if params.prompt_logprobs is not None and params.prompt_logprobs > MAX_LOGPROBS:
+        raise ValueError(f"prompt_logprobs={params.prompt_logprobs} is invalid: at most {MAX_LOGPROBS}")
     if params.beam_width > limits.max_num_seqs:
         raise ValueError(
             f"beam_width={params.beam_width} is too large: the beams run side by side and max_num_seqs is "

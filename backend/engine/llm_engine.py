@@ -22,6 +22,7 @@ from pagedllm.engine.admission import AdmissionLimits, check_request, tokenize_p
 from pagedllm.engine.gc_tuning import collect_young_less_often
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
+from pagedllm.engine.prompt_logprobs import PromptLogprobsCollector
 from pagedllm.model_source import resolve_model_dir
 from pagedllm.models import CausalLM, load_model
 from pagedllm.sampling_params import SamplingParams
@@ -118,6 +119,7 @@ class LLMEngine:
                                       self.model.vocab_size, num_blocks, config.block_size)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer)
+        self.prompt_logprobs = PromptLogprobsCollector()
         self._requests: dict[str, Request] = {}
         # Each live sample's sampler row, built once: it changes only while min_tokens holds back its stops.
         self._rows: dict[int, SamplingRow] = {}
@@ -133,6 +135,10 @@ class LLMEngine:
             raise ValueError(f"request_id={request_id!r} is already in flight")
         prompt_ids, text = tokenize_prompt(self.tokenizer, prompt, self.model.vocab_size)
         check_request(prompt_ids, params, self.limits)
+        if params.prompt_logprobs is not None:
+            if self.model.tp.size > 1:  # the extra logits would be a collective only rank 0 joins
+                raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
+            self.prompt_logprobs.track(request_id, tuple(prompt_ids), params.prompt_logprobs)
         request = Request(request_id, text, tuple(prompt_ids), params)
         seq = request.spawn(list(prompt_ids))
         if not params.use_beam_search:  # beams have no per-step text: their hypotheses are decoded at the end
@@ -198,6 +204,8 @@ class LLMEngine:
             if self.workers is not None:
                 self.workers.check(error)
             raise
+        if self.prompt_logprobs.wanted():
+            self.prompt_logprobs.collect(out, self.runner.last_hidden, self.model.compute_logits)
         candidates = [self._beam_candidates(logits, batch) for batch in out.beams]
         if out.beams or len(out.samples) != logits.shape[0]:
             logits = logits[torch.tensor(out.sample_logit_rows, device=logits.device, dtype=torch.long)]
@@ -337,9 +345,12 @@ class LLMEngine:
                         aborted: bool) -> RequestOutput:
         request = self._requests[request_id]
         finished = aborted or error is not None or request.is_finished
+        prompt_logprobs = self.prompt_logprobs.take(request_id)
         if finished:
             del self._requests[request_id]
-        return RequestOutput(request_id, request.prompt, request.prompt_token_ids, tuple(items), finished, error)
+            self.prompt_logprobs.discard(request_id)
+        return RequestOutput(request_id, request.prompt, request.prompt_token_ids, tuple(items), finished, error,
+                             prompt_logprobs)
 
     def _track_sequence(self, seq: Sequence) -> None:
         params = seq.request.params

@@ -32,6 +32,9 @@ class RequestOutput:
     # Set (with finished=True) when the engine ended this request because it faulted, alone:
     # the other requests of the batch carry on. Says why, for the client.
     error: str | None = None
+    # With SamplingParams.prompt_logprobs, once, in the output that follows the prompt's last chunk:
+    # None for the first prompt token, then per token its id and the top ids -> logprob.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -67,12 +70,15 @@ class FinalOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @classmethod
     def start(cls, first: RequestOutput, n: int) -> FinalOutput:
         return cls(first.request_id, first.prompt, list(first.prompt_token_ids), [CompletionOutput(i) for i in range(n)])
 
     def add(self, step: RequestOutput) -> None:
+        if step.prompt_logprobs is not None:
+            self.prompt_logprobs = step.prompt_logprobs
         for delta in step.outputs:
             self.outputs[delta.index].add(delta)
         self.finished = step.finished

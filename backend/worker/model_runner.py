@@ -58,6 +58,9 @@ class ModelRunner:
         self.kv_caches = [(attention.new_cache(shape, dtype, device), attention.new_cache(shape, dtype, device))
                           for _ in range(model.num_layers)]
         self.graphs: DecodeGraphs | None = None
+        # The last step's hidden state of every position (None after a graph replay): prompt logprobs read the
+        # prompt's positions from it (pagedllm.engine.prompt_logprobs).
+        self.last_hidden: torch.Tensor | None = None
         if cuda_graphs:
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(model, attention, self.kv_caches, self.input_batch.buckets,
@@ -86,9 +89,11 @@ class ModelRunner:
         if block_copies:
             mapping = torch.tensor(block_copies, dtype=torch.int64, device=self.device)
             self.attention.copy_blocks(self.kv_caches, mapping)
+        self.last_hidden = None
         if self.graphs is not None and (logits := self.graphs.replay(inputs)) is not None:
             return logits
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.attention.plan(inputs.attn))
+        self.last_hidden = hidden
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     def prepare(self, step: SchedulerOutput) -> StepInputs:
