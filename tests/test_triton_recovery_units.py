@@ -87,6 +87,41 @@ def test_the_supervisor_gives_up_after_max_reloads_failures_in_a_row_naming_the_
     assert any("tritonserver is not running" in line for line in reports)
 
 
+class FlakyServer(DeadServer):
+    """Comes back at every restart, and its engine dies again straight away."""
+
+    running = True
+
+    def restart(self) -> None:
+        self.restarts += 1
+
+
+def test_an_engine_that_dies_right_after_each_restart_is_a_crash_loop(tmp_path: Path) -> None:
+    server = FlakyServer()
+    folder = SupervisionFolder(tmp_path)
+    reports: list[str] = []
+    supervisor = Supervisor(server, tmp_path, max_reloads=2, crash_loop_s=60, report=reports.append)  # type: ignore[arg-type]
+    supervisor._reload = lambda model, cause: supervisor._restart_server(model, cause)  # type: ignore[method-assign]
+    folder.record_death("llm", "engine loop died: WorkerDied: rank 1 was killed by SIGKILL")
+    supervisor.check()  # restarted, on probation
+    folder.record_death("llm", "engine loop died: WorkerDied: rank 1 was killed by SIGKILL")
+    supervisor.check()  # died again at once: the first failed restart
+    folder.record_death("llm", "engine loop died: WorkerDied: rank 1 was killed by SIGKILL")
+    with pytest.raises(SupervisorGaveUp, match="crash loop.*rank 1 was killed by SIGKILL"):
+        supervisor.check()
+
+
+def test_a_restart_that_outlives_its_probation_clears_the_failures(tmp_path: Path) -> None:
+    server = FlakyServer()
+    folder = SupervisionFolder(tmp_path)
+    supervisor = Supervisor(server, tmp_path, max_reloads=2, crash_loop_s=0.0, report=lambda _: None)  # type: ignore[arg-type]
+    supervisor._reload = lambda model, cause: supervisor._restart_server(model, cause)  # type: ignore[method-assign]
+    for _ in range(5):  # each death comes after the (zero-length) probation: never a crash loop
+        folder.record_death("llm", "engine loop died")
+        supervisor.check()
+    assert server.restarts == 5
+
+
 def test_max_reloads_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_reloads"):
         Supervisor(DeadServer(), tmp_path, max_reloads=0)  # type: ignore[arg-type]

@@ -38,7 +38,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.admission import AdmissionLimits, check_request, tokenize_prompt
 from pagedllm.engine.cpu_binding import CpuSplit, bind_engine, pin_process
 from pagedllm.engine.core_wire import decode_outputs, encode_outputs
-from pagedllm.engine.engine_contract import STALLED_RETRY_S, progress
+from pagedllm.engine.engine_contract import STALLED_RETRY_S, EngineBroken, progress
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -101,6 +101,8 @@ class EngineCoreProcess:
                 return []
             self._keep(self._recv())
         outcome = self._steps.popleft()
+        if isinstance(outcome, EngineBroken):
+            raise outcome
         if isinstance(outcome, str):
             raise RuntimeError(outcome)
         for output in outcome:
@@ -157,7 +159,7 @@ class EngineCoreProcess:
         self._conn = Connection(parent_end.detach())
         self._in_flight: set[str] = set()
         self._prompts: dict[str, tuple[str | None, tuple[int, ...]]] = {}  # of the requests in flight
-        self._steps: deque[list[RequestOutput] | str] = deque()
+        self._steps: deque[list[RequestOutput] | str | EngineBroken] = deque()
         self._send(("config", self.config, self._allowed_cpus))
         if not self._conn.poll(START_TIMEOUT_S):
             self.close()
@@ -209,6 +211,9 @@ class EngineCoreProcess:
         elif message[0] == "step_failed":
             self._steps.append(message[1])
             self._stats = message[2]
+        elif message[0] == "broken":
+            self._steps.append(EngineBroken(message[1]))
+            self._stats = message[2]
 
 
 def _python_executable() -> str:
@@ -239,6 +244,13 @@ def child_main(fd: int) -> None:
     info = {"max_model_len": engine.max_model_len, "tokenizer_dir": engine.tokenizer.name_or_path,
             "limits": engine.limits, "cpu_split": cpu_split}
     conn.send(("ready", info, engine.stats()))
+    try:
+        _serve(engine, conn)
+    finally:
+        engine.close()  # its tensor-parallel workers, if any, stop with it
+
+
+def _serve(engine: Any, conn: Connection) -> None:
     stalled = False
     while True:
         # Block only when there is nothing to compute (or nothing could be scheduled last
@@ -265,6 +277,10 @@ def child_main(fd: int) -> None:
         before = progress(engine.stats())
         try:
             outputs = engine.step()
+        except EngineBroken as error:  # this engine is done: the parent's loop dies and the engine is replaced
+            log.error("engine core cannot step again: %s", error)
+            conn.send(("broken", str(error), engine.stats()))
+            return
         except Exception as error:
             log.exception("engine step failed in the engine core process")
             conn.send(("step_failed", f"engine step failed: {error}", engine.stats()))

@@ -28,6 +28,11 @@ class EngineUnavailable(RuntimeError):
     """The loop is not serving (stopped or dead); the message says why."""
 
 
+class EngineBroken(RuntimeError):
+    """The engine can never step again (a tensor-parallel worker died): the loop must die with it, so that
+    the serving layer replaces the engine instead of failing every later step."""
+
+
 # How long a loop whose engine scheduled nothing sleeps before it looks at cancellations again.
 STALLED_RETRY_S = 0.5
 # Engine counters that change whenever a step computes anything (blocks move with every

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from pagedllm.engine.engine_contract import (
     STALLED_RETRY_S,
+    EngineBroken,
     EngineLike,
     EngineUnavailable,
     FailureKind,
@@ -290,6 +291,8 @@ class EngineLoop:
         before = self._progress
         try:
             outputs = self.engine.step()
+        except EngineBroken:
+            raise
         except Exception as error:
             log.exception("engine.step failed; failing every in-flight request")
             self._fail_all(f"engine step failed: {error}", FailureKind.ENGINE)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from transformers import AutoConfig
 
+from pagedllm.engine.engine_contract import EngineBroken
 from pagedllm.models.tensor_parallel import model_shape
 from pagedllm.parallel.group import TensorParallel, join_group, leave_group
 from pagedllm.parallel.sharding import shard_layout
@@ -43,7 +44,7 @@ DEVICE_ENV = "PAGEDLLM_TP_DEVICE"
 PARENT_ENV = "PAGEDLLM_TP_PARENT"
 
 
-class WorkerDied(RuntimeError):
+class WorkerDied(EngineBroken):
     """A tensor-parallel worker rank ended; the engine cannot step without it and must be restarted."""
 
 

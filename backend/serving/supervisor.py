@@ -20,7 +20,10 @@ Two ways an engine dies, two ways back (measured on the 2.51 server of the pytri
 Each restart is logged with its cause and counted per model in the supervision
 folder, from which the new instance publishes ``pagedllm:engine_restarts_total``.
 After ``max_reloads`` failed restarts in a row ``check`` raises ``SupervisorGaveUp``
-naming the last failure; one attempt is bounded by ``reload_timeout_s``.
+naming the last failure; one attempt is bounded by ``reload_timeout_s``. A restart
+counts as failed too when the engine dies again within ``crash_loop_s`` of it (a
+crash loop: the restart "worked", the engine did not), so a model that can never
+stay up ends ``pagedllm serve`` with its cause instead of restarting forever.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ from pagedllm.serving.supervision import SupervisionFolder
 
 DEFAULT_MAX_RELOADS = 3
 DEFAULT_RELOAD_TIMEOUT_S = 300.0
+DEFAULT_CRASH_LOOP_S = 60.0
 UNLOAD_START_TIMEOUT_S = 10.0
 
 
@@ -47,7 +51,7 @@ class Supervisor:
     """Call ``check()`` every fraction of a second from the launcher's main loop."""
 
     def __init__(self, server: TritonServer, folder: Path, *, max_reloads: int = DEFAULT_MAX_RELOADS,
-                 reload_timeout_s: float = DEFAULT_RELOAD_TIMEOUT_S,
+                 reload_timeout_s: float = DEFAULT_RELOAD_TIMEOUT_S, crash_loop_s: float = DEFAULT_CRASH_LOOP_S,
                  report: Callable[[str], None] = print) -> None:
         if max_reloads < 1:
             raise ValueError(f"max_reloads must be >= 1, got {max_reloads}")
@@ -57,6 +61,8 @@ class Supervisor:
         self._reload_timeout_s = reload_timeout_s
         self._report = report
         self._failures = 0  # failed restarts in a row
+        self._crash_loop_s = crash_loop_s
+        self._on_probation_until = 0.0  # a death before then fails the last restart
         self._stubs: dict[int, str] = {}  # pid -> model, as last seen
 
     def watch(self, *, ignore: frozenset[int] = frozenset()) -> None:
@@ -65,6 +71,8 @@ class Supervisor:
 
     def check(self) -> None:
         """One round: restart what died; raises ``SupervisorGaveUp`` after too many failures in a row."""
+        if self._on_probation_until and time.monotonic() >= self._on_probation_until:
+            self._failures, self._on_probation_until = 0, 0.0  # the last restart held
         if not self._server.running:
             self._restart_server(None, "tritonserver is not running (it exited, or did not come back)")
             return
@@ -126,6 +134,9 @@ class Supervisor:
             time.sleep(0.1)
 
     def _count_restart(self, model: str | None, cause: str, action: str) -> None:
+        since = time.monotonic() - (self._on_probation_until - self._crash_loop_s)
+        if time.monotonic() < self._on_probation_until:
+            self._failed(f"the engine died again {since:.0f} s after its restart (a crash loop): {cause}")
         models = [model] if model is not None else sorted(set(self._stubs.values()))
         for name in models:
             self._folder.set_restarts(name, self._folder.restarts(name) + 1)
@@ -139,7 +150,8 @@ class Supervisor:
             raise SupervisorGaveUp(f"gave up after {self._failures} failed restarts in a row; last: {reason}")
 
     def _succeeded(self, retiring: frozenset[int] = frozenset()) -> None:
-        self._failures = 0
+        # Not counted as held yet: _failures is cleared once the engine outlives its probation.
+        self._on_probation_until = time.monotonic() + self._crash_loop_s
         self._report("pagedllm: serving again")
         self.watch(ignore=retiring)
 
