@@ -49,6 +49,7 @@ def moe_gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,  # multiply in fp32: fp32 inputs, and the interpreter (its bf16 dot is wrong)
     DOT_PRECISION: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -72,6 +73,8 @@ def moe_gate_up_kernel(
         w_gate = tl.load(w_expert + cols[None, :] * stride_wn + ks[:, None] * stride_wk, mask=w_mask, other=0.0)
         w_up = tl.load(w_expert + (cols[None, :] + inter) * stride_wn + ks[:, None] * stride_wk, mask=w_mask,
                        other=0.0)
+        if UPCAST:
+            x, w_gate, w_up = x.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
         acc_gate = tl.dot(x, w_gate, acc_gate, input_precision=DOT_PRECISION)
         acc_up = tl.dot(x, w_up, acc_up, input_precision=DOT_PRECISION)
     activated = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
@@ -95,6 +98,7 @@ def moe_down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,  # multiply in fp32: fp32 inputs, and the interpreter (its bf16 dot is wrong)
     DOT_PRECISION: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -114,6 +118,8 @@ def moe_down_kernel(
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_expert + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
@@ -162,19 +168,20 @@ def fused_moe_with_tiles(
     weighted = torch.empty(num_rows, hidden_size, dtype=hidden.dtype, device=hidden.device)
     gate_up_kernel = runnable(moe_gate_up_kernel, hidden.device)
     down_kernel = runnable(moe_down_kernel, hidden.device)
-    precision = "ieee" if hidden.dtype == torch.float32 or is_interpreted(gate_up_kernel) else "tf32"
+    upcast = hidden.dtype == torch.float32 or is_interpreted(gate_up_kernel)
+    precision = "ieee" if upcast else "tf32"
     common = _alignment_args(alignment)
     gate_up_kernel[(alignment.max_blocks, triton.cdiv(inter, tiles.block_n))](
         hidden, w_gate_up, activated, *common, num_rows, hidden_size, inter,
         *hidden.stride(), *w_gate_up.stride(), *activated.stride(),
         TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        DOT_PRECISION=precision, num_warps=tiles.num_warps,
+        UPCAST=upcast, DOT_PRECISION=precision, num_warps=tiles.num_warps,
     )
     down_kernel[(alignment.max_blocks, triton.cdiv(hidden_size, tiles.block_n))](
         activated, w_down, weighted, topk_weights.reshape(-1).contiguous(), *common, num_rows, hidden_size, inter,
         *activated.stride(), *w_down.stride(), *weighted.stride(),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        DOT_PRECISION=precision, num_warps=tiles.num_warps,
+        UPCAST=upcast, DOT_PRECISION=precision, num_warps=tiles.num_warps,
     )
     return weighted.view(num_tokens, top_k, hidden_size).sum(dim=1) if top_k > 1 else weighted
 

@@ -13,7 +13,7 @@ from pagedllm.kernels.fused_moe import MoeTiles, fused_moe, fused_moe_with_tiles
 from pagedllm.kernels.fused_moe_align import align_tokens_by_expert
 from pagedllm.kernels.fused_moe_reference import fused_moe_ref
 
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-2}
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,7 @@ CASES = {
     "top8-e16": Case(5, 24, 20, 16, 8, MoeTiles(16, 16, 16)),
     "top8-e64-most-experts-empty": Case(3, 24, 20, 64, 8, MoeTiles(16, 32, 32)),
     "top2-e6-block32-fp16": Case(19, 40, 24, 6, 2, MoeTiles(32, 16, 16), dtype=torch.float16),
+    "top2-e5-bf16": Case(7, 24, 20, 5, 2, MoeTiles(16, 16, 16), dtype=torch.bfloat16),
 }
 
 
