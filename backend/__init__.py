@@ -9,6 +9,7 @@ from typing import Any
 _EXPORTS = {
     "LLM": "pagedllm.llm",
     "SamplingParams": "pagedllm.sampling_params",
+    "StructuredOutputsParams": "pagedllm.structured_outputs_params",
     "RequestOutput": "pagedllm.engine.outputs",
     "FinalOutput": "pagedllm.engine.outputs",
     "CompletionOutput": "pagedllm.engine.outputs",

@@ -56,6 +56,8 @@ class EngineConfig:
     # measured on the first prefill.
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
+    # Seconds a request's structured_outputs constraint may take to compile before the request fails.
+    structured_outputs_compile_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         _require(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", self.dtype, f"one of auto, {', '.join(_DTYPES)}")
@@ -87,6 +89,9 @@ class EngineConfig:
                  f"one of {', '.join(_KV_CACHE_DTYPES)}")
         _require(isinstance(self.calculate_kv_scales, bool), "calculate_kv_scales", self.calculate_kv_scales,
                  "true or false")
+        _require(isinstance(self.structured_outputs_compile_timeout_s, (int, float))
+                 and self.structured_outputs_compile_timeout_s > 0, "structured_outputs_compile_timeout_s",
+                 self.structured_outputs_compile_timeout_s, "a positive number of seconds")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> EngineConfig:

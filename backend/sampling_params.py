@@ -15,7 +15,11 @@ Every problem raises ``ValueError`` naming the field. Limits this file sets itse
   so it takes ``temperature`` 0 and refuses what would change either (sampling
   filters, penalties, seeds, ``min_tokens``), stop strings (text; use
   ``stop_token_ids``) and per-token logprobs; ``n`` must not exceed ``beam_width``;
-  ``length_penalty`` and ``early_stopping`` apply only to beam search.
+  ``length_penalty`` and ``early_stopping`` apply only to beam search;
+* ``structured_outputs`` (:class:`StructuredOutputsParams`, or a dict with its keys)
+  constrains each sample to a JSON schema, regex, choice list, EBNF grammar or any JSON
+  object; beam search refuses it. ``max_tokens`` still cuts a sample short (reason
+  ``length``), which can leave its JSON incomplete.
 
 To add a field, declare it with its type and default; ``from_dict`` and the type
 checks follow the annotation, and range rules go in ``_validate``.
@@ -31,6 +35,8 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from pagedllm.structured_outputs_params import StructuredOutputsParams
 
 GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 64
@@ -75,10 +81,14 @@ class SamplingParams:
     early_stopping: bool | str = False
     # Seconds the request may take from arrival; the engine loop aborts it once they pass.
     timeout: float | None = None
+    # The output must match this constraint (xgrammar, pagedllm.engine.grammar_compiler).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        if self.structured_outputs is not None:
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_value(self.structured_outputs))
         for name, hint in _field_types().items():
             object.__setattr__(self, name, _checked_type(name, hint, getattr(self, name)))
         self._validate()
@@ -138,6 +148,8 @@ class SamplingParams:
         _check(self.min_tokens == 0, "min_tokens", self.min_tokens, rule)
         _check(not self.stop, "stop", self.stop, f"{rule}: stop strings are text; use stop_token_ids")
         _check(self.logprobs is None, "logprobs", self.logprobs, f"{rule}: use cumulative_logprob")
+        _check(self.structured_outputs is None, "structured_outputs", self.structured_outputs,
+               f"{rule}: constrain samples (beam_width=1) instead")
 
     @property
     def use_beam_search(self) -> bool:
@@ -201,6 +213,8 @@ def _checked_type(name: str, hint: Any, value: Any) -> Any:
             return tuple(_checked_type(f"{name}[{i}]", item, v) for i, v in enumerate(value))
         if kind is str and isinstance(value, str):
             return value
+        if kind is StructuredOutputsParams and isinstance(value, kind):
+            return value
     expected = " or ".join(getattr(o, "__name__", str(o)) for o in options)
     raise ValueError(f"SamplingParams.{name}={_shown(value)} has the wrong type: expected {expected}")
 
@@ -219,6 +233,8 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
         if type(None) in options:
             return None
         raise ValueError(f"SamplingParams.{name} must not be null")
+    if StructuredOutputsParams in options:  # its own messages name the field and the key at fault
+        return StructuredOutputsParams.from_value(value)
     errors = []
     for option in (o for o in options if o is not type(None)):
         try:

@@ -15,13 +15,14 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 from pagedllm.config import EngineConfig
 from pagedllm.core.beam_search import BeamCandidate, BeamSearch
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Request, Sequence
+from pagedllm.core.request import Request, Sequence, SequenceStatus
 from pagedllm.core.scheduler import BeamBatch, Scheduler, SchedulerOutput
 from pagedllm.core.stop_policy import StopPolicy
 from pagedllm.engine.admission import AdmissionLimits, check_request, tokenize_prompt
 from pagedllm.engine.gc_tuning import collect_young_less_often
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
+from pagedllm.engine.structured_outputs import StructuredOutputs
 from pagedllm.engine.prompt_logprobs import PromptLogprobsCollector
 from pagedllm.model_source import resolve_model_dir
 from pagedllm.models import CausalLM, load_model
@@ -41,6 +42,8 @@ from pagedllm.worker.sampler import (PenaltyState, SampledToken, Sampler, Sampli
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "default_model"
+# How long a step with nothing to schedule waits for a grammar still compiling before it returns.
+_IDLE_COMPILE_WAIT_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,12 +121,16 @@ class LLMEngine:
         self.limits = AdmissionLimits(self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
                                       self.model.vocab_size, num_blocks, config.block_size)
         self.sampler = Sampler()
+        self.structured = StructuredOutputs(self.tokenizer, self.model.vocab_size, self.eos_token_ids,
+                                            config.structured_outputs_compile_timeout_s, config.max_num_seqs)
         self.outputs = OutputProcessor(self.tokenizer)
         self.prompt_logprobs = PromptLogprobsCollector()
         self._requests: dict[str, Request] = {}
         # Each live sample's sampler row, built once: it changes only while min_tokens holds back its stops.
         self._rows: dict[int, SamplingRow] = {}
         self._pending_aborts: set[str] = set()
+        # Requests failed for their own input after they were accepted (a constraint that does not compile).
+        self._invalid_requests: set[str] = set()
         self._peak_tokens_held = 0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
@@ -141,9 +148,12 @@ class LLMEngine:
             self.prompt_logprobs.track(request_id, tuple(prompt_ids), params.prompt_logprobs)
         request = Request(request_id, text, tuple(prompt_ids), params)
         seq = request.spawn(list(prompt_ids))
+        self._requests[request_id] = request
+        if params.structured_outputs is not None:  # scheduled once its grammar has compiled, off the step path
+            self.structured.hold(seq)
+            return
         if not params.use_beam_search:  # beams have no per-step text: their hypotheses are decoded at the end
             self._track_sequence(seq)
-        self._requests[request_id] = request
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
@@ -163,8 +173,13 @@ class LLMEngine:
         deltas: dict[str, list[CompletionDelta]] = {}
         errors: dict[str, str] = {}
         aborted = self._apply_aborts(deltas)
+        if self.structured.num_held:
+            if not self.scheduler.has_work():  # nothing else to run: wait a little for a grammar
+                self.structured.wait(_IDLE_COMPILE_WAIT_S)
+            self._admit_compiled(errors)
         if self.scheduler.has_work():
             out = self.scheduler.schedule()
+            self.structured.release(out.finished_seq_ids)
             for child in out.forked:
                 self._track_sequence(child)
             if out.scheduled:
@@ -209,12 +224,15 @@ class LLMEngine:
         candidates = [self._beam_candidates(logits, batch) for batch in out.beams]
         if out.beams or len(out.samples) != logits.shape[0]:
             logits = logits[torch.tensor(out.sample_logit_rows, device=logits.device, dtype=torch.long)]
+        self.structured.mask(logits, out.samples)
         tokens = self._sample(logits, out.samples, errors)
         for seq, token in zip(out.samples, tokens):
             if token is None:
                 self._fail(seq.request, errors[seq.request.request_id])
         self.scheduler.update_from_output(out, [0 if token is None else token.token_id for token in tokens],
                                           candidates)
+        if self.structured.has_matchers:
+            self._advance_grammars(out.samples, tokens, errors)
         self._emit_all(out.samples, tokens, deltas, errors)
         for batch in out.beams:
             self._generation_tokens_total += len(batch.beams)
@@ -302,6 +320,33 @@ class LLMEngine:
                 tokens.append(None)
         return tokens
 
+    def _admit_compiled(self, errors: dict[str, str]) -> None:
+        """Schedule the held requests whose grammar compiled; fail those whose grammar cannot be had."""
+        ready, failed = self.structured.take_compiled()
+        for seq in ready:
+            self._track_sequence(seq)
+            self.scheduler.add(seq)
+        for failure in failed:
+            failure.seq.status = SequenceStatus.FINISHED  # it never reached the scheduler: nothing to free
+            failure.seq.finish_reason = "error"
+            errors[failure.seq.request.request_id] = failure.message
+            self._invalid_requests.add(failure.seq.request.request_id)
+
+    def _advance_grammars(self, samples: Seq[Sequence], tokens: Seq[SampledToken | None],
+                          errors: dict[str, str]) -> None:
+        """Each constrained sample's matcher takes its token; a grammar that has ended ends its sample (stop)."""
+        for seq, token in zip(samples, tokens):
+            if token is None or seq.request.request_id in errors:
+                continue
+            try:
+                ended = self.structured.accept(seq, token.token_id)
+            except ValueError as error:
+                errors[seq.request.request_id] = str(error)
+                self._fail(seq.request, str(error))
+                continue
+            if ended and not seq.is_finished:
+                self.scheduler.finish(seq, "stop")
+
     def _fail(self, request: Request, message: str) -> None:
         """End every sample of ``request`` because it faulted; the rest of the batch carries on."""
         for seq in request.sequences:
@@ -321,6 +366,11 @@ class LLMEngine:
             if request is None:
                 continue
             aborted.add(request_id)
+            held = self.structured.drop(request_id)
+            if held is not None:  # aborted while its grammar compiled: it never reached the scheduler
+                held.status, held.finish_reason = SequenceStatus.FINISHED, "abort"
+                deltas[request_id] = [CompletionDelta(i, "", (), None, None, "abort") for i in range(request.params.n)]
+                continue
             if request.params.use_beam_search:
                 for seq in request.sequences:
                     self.scheduler.finish(seq, "abort")
@@ -349,6 +399,7 @@ class LLMEngine:
         if finished:
             del self._requests[request_id]
             self.prompt_logprobs.discard(request_id)
+            self._invalid_requests.discard(request_id)
         return RequestOutput(request_id, request.prompt, request.prompt_token_ids, tuple(items), finished, error,
                              prompt_logprobs)
 
@@ -357,6 +408,8 @@ class LLMEngine:
         penalties = PenaltyState(seq.prompt_token_ids, seq.output_token_ids) if needs_penalties(params) else None
         self._rows[seq.seq_id] = SamplingRow(params, make_generator(params.seed, seq.index, self.device), penalties, ())
         self.outputs.add(seq)
+        if params.structured_outputs is not None:
+            self.structured.track(seq)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         row = self._rows[seq.seq_id]

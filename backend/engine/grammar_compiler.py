@@ -1,0 +1,120 @@
+"""Compiles structured-output constraints with xgrammar on a worker thread, cached by their text.
+
+The vocabulary comes from the model's Hugging Face tokenizer through xgrammar's own
+constructor (``TokenizerInfo.from_huggingface``), sized to the model's embedding rows:
+ids past the tokenizer's last token are padding that no grammar ever allows. The stop
+tokens are the engine's EOS ids, so a grammar allows EOS only where it may end.
+
+JSON schemas and ``json_object`` compile to one layout, ``json.dumps``'s (``", "`` and
+``": "``, no other whitespace): a model cannot spend its ``max_tokens`` on whitespace
+that xgrammar would otherwise allow without end.
+
+The compile runs off the engine's step path: xgrammar releases the GIL while it
+compiles. A compile cannot be interrupted, so a request that gives up on one (the
+engine's timeout) leaves it to finish on the worker, where its result still lands in
+the cache for the next request with the same constraint. The worker is a daemon thread:
+a process that exits does not wait for a compile nobody needs any more.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future
+
+import xgrammar as xgr
+from transformers import PreTrainedTokenizerBase
+
+from pagedllm.structured_outputs_params import StructuredOutputsParams
+
+CACHE_ENTRIES = 256
+# xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: ": not the client's business.
+_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+class GrammarRejected(ValueError):
+    """xgrammar refused the constraint; the message names the field and gives xgrammar's reason."""
+
+
+class GrammarCompiler:
+    """Thread-safe: ``submit`` from the engine thread; compiles run one at a time on a worker."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._stop_token_ids = sorted(stop_token_ids) or None
+        self._compiler: xgr.GrammarCompiler | None = None  # built on the worker at first use: large vocabularies take a while
+        self._work: queue.SimpleQueue[tuple[StructuredOutputsParams, Future[xgr.CompiledGrammar]] | None] = \
+            queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._cache: OrderedDict[tuple[str, str], Future[xgr.CompiledGrammar]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def submit(self, constraint: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
+        """The compiled grammar's future, shared with every earlier request for the same constraint."""
+        key = constraint.key
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            future = Future()
+            self._cache[key] = future
+            if len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._serve, name="pagedllm-grammar", daemon=True)
+                self._worker.start()
+        self._work.put((constraint, future))
+        return future
+
+    def close(self) -> None:
+        """Let the worker end after the compile in progress; the compiles still queued are cancelled."""
+        self._work.put(None)
+
+    def _serve(self) -> None:
+        while (item := self._work.get()) is not None:
+            constraint, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self._compile(constraint))
+            except BaseException as error:  # the waiting request reports it; the worker carries on
+                future.set_exception(error)
+        while True:  # closed: nobody will wait for what is left
+            try:
+                leftover = self._work.get_nowait()
+            except queue.Empty:
+                return
+            if leftover is not None:
+                leftover[1].cancel()
+
+    def _compile(self, constraint: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
+                                                      stop_token_ids=self._stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        compiler = self._compiler
+        kind = constraint.kind
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(constraint.json or "", any_whitespace=False)
+            if kind == "json_object":
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            if kind == "regex":
+                return compiler.compile_regex(constraint.regex or "")
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(constraint.choice or ()))
+            return compiler.compile_grammar(constraint.grammar or "")
+        except (RuntimeError, ValueError, TypeError) as error:
+            reason = _LOCATION.sub("", str(error).strip())
+            raise GrammarRejected(f"SamplingParams.structured_outputs.{kind} was rejected by xgrammar: {reason}") \
+                from None
+
+
+def choice_grammar(choices: Iterable[str]) -> str:
+    """EBNF whose root is exactly one of ``choices``; each is a JSON-escaped literal, which xgrammar reads."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
