@@ -67,7 +67,7 @@ from pagedllm.serving.supervision import SupervisionFolder
 
 
 FINALIZE_BUDGET_S = 10.0
-_ERROR_CODES = {FailureKind.REQUEST: "INTERNAL", FailureKind.ENGINE: "INTERNAL",
+_ERROR_CODES = {FailureKind.REQUEST: "INTERNAL", FailureKind.INVALID: "INVALID_ARG", FailureKind.ENGINE: "INTERNAL",
                 FailureKind.UNAVAILABLE: "UNAVAILABLE", FailureKind.TIMEOUT: "UNAVAILABLE"}
 
 
@@ -217,6 +217,8 @@ class TritonPythonModel:
     def _on_request_error(self, stream: _Stream, message: str, kind: FailureKind) -> None:
         if self._loop.death is not None and self._supervision is not None:
             message = f"{message}; the engine is restarting"
+        if kind is FailureKind.INVALID:
+            message = f"invalid request: {message}"
         self._end_with_error(stream, message, _ERROR_CODES[kind])
 
     def _end_with_error(self, stream: _Stream, message: str, code: str) -> None:

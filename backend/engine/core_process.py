@@ -204,7 +204,7 @@ class EngineCoreProcess:
     def _keep(self, message: tuple[Any, ...]) -> None:
         if message[0] == "rejected":  # admitted here, refused there: ends like a request the engine failed
             _, request_id, error = message
-            self._steps.append(decode_outputs([(request_id, (), True, error, None)], self._prompts))
+            self._steps.append(decode_outputs([(request_id, (), True, error, None, False)], self._prompts))
         elif message[0] == "step":
             self._steps.append(decode_outputs(message[1], self._prompts))
             self._stats = message[2]

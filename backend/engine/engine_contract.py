@@ -19,6 +19,7 @@ class FailureKind(enum.Enum):
     """Why a request ended without finishing, for ``on_error``."""
 
     REQUEST = "request"  # the engine ended this request alone because it faulted
+    INVALID = "invalid"  # the engine ended this request alone because its input cannot be served
     ENGINE = "engine"  # a step failed and the fault could not be pinned on one request
     UNAVAILABLE = "unavailable"  # the loop stopped or died
     TIMEOUT = "timeout"  # the request's sampling_parameters.timeout passed

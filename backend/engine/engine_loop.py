@@ -308,7 +308,8 @@ class EngineLoop:
                 del self._in_flight[output.request_id]
                 finished.append(tracked.timing.close(tracked.request_id, tracked.params.n, now))
             if output.error is not None:
-                self._fail(tracked, output.error, FailureKind.REQUEST, output)
+                kind = FailureKind.INVALID if output.invalid_input else FailureKind.REQUEST
+                self._fail(tracked, output.error, kind, output)
             elif tracked.timed_out and output.finished:
                 self._fail(tracked, f"request timed out after {tracked.params.timeout:g} s "
                            "(sampling_parameters.timeout)", FailureKind.TIMEOUT, output)

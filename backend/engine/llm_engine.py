@@ -396,12 +396,13 @@ class LLMEngine:
         request = self._requests[request_id]
         finished = aborted or error is not None or request.is_finished
         prompt_logprobs = self.prompt_logprobs.take(request_id)
+        invalid_input = request_id in self._invalid_requests
         if finished:
             del self._requests[request_id]
             self.prompt_logprobs.discard(request_id)
             self._invalid_requests.discard(request_id)
         return RequestOutput(request_id, request.prompt, request.prompt_token_ids, tuple(items), finished, error,
-                             prompt_logprobs)
+                             prompt_logprobs, invalid_input)
 
     def _track_sequence(self, seq: Sequence) -> None:
         params = seq.request.params

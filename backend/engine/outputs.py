@@ -35,6 +35,8 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs, once, in the output that follows the prompt's last chunk:
     # None for the first prompt token, then per token its id and the top ids -> logprob.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # With ``error``: the request's own input was at fault (a constraint that does not compile), not the engine.
+    invalid_input: bool = False
 
 
 @dataclass(slots=True)
