@@ -26,6 +26,9 @@ Decisions where vllm_backend is loose:
   before the search ends. Combinations that cannot apply are errors naming the field
   (``n`` above ``beam_width``, a temperature, penalties, seeds, stop strings, logprobs;
   the engine adds ``beam_width`` above ``max_num_seqs``).
+* ``structured_outputs`` (vLLM's keys: ``json``, ``regex``, ``choice``, ``grammar``,
+  ``json_object``; a schema as a nested object or as JSON text; the whole object may
+  also come as JSON text) or, by vLLM's older name, ``guided_decoding``.
 """
 from __future__ import annotations
 
@@ -129,8 +132,13 @@ def parse_sampling_parameters(text: str, field: str) -> SamplingParams:
         raise ValueError(f"{field}: JSON nested too deeply") from None
     if not isinstance(values, dict):
         raise ValueError(f"{field}: must be a JSON object, got {type(values).__name__}")
+    values = {key: value for key, value in values.items() if value is not None}
+    if "guided_decoding" in values:  # vLLM's older name for the same object
+        if "structured_outputs" in values:
+            raise ValueError(f"{field}: give structured_outputs or guided_decoding, not both")
+        values["structured_outputs"] = values.pop("guided_decoding")
     try:
-        return SamplingParams.from_dict({key: value for key, value in values.items() if value is not None})
+        return SamplingParams.from_dict(values)
     except ValueError as error:
         raise ValueError(f"{field}: {error}") from error
 
