@@ -174,8 +174,11 @@ def test_completions_match_offline_generation(client: openai.OpenAI, tokenizer, 
                                        logprobs=1)
     assert echoed.choices[0].text == prompt + expected
     logprobs = echoed.choices[0].logprobs
-    assert "".join(logprobs.tokens) == expected and len(logprobs.token_logprobs) == num_tokens
-    assert logprobs.text_offset[0] == len(prompt) and all(len(top) == 1 for top in logprobs.top_logprobs)
+    # echo: the prompt's tokens come first (the first without a logprob), then the completion's
+    num_prompt = len(tokenizer(prompt).input_ids)
+    assert "".join(logprobs.tokens[num_prompt:]) == expected and len(logprobs.token_logprobs) == num_prompt + num_tokens
+    assert logprobs.text_offset[num_prompt] == len(prompt) and logprobs.top_logprobs[0] is None
+    assert all(len(top) == 1 for top in logprobs.top_logprobs[num_prompt:])
 
 
 def test_n_samples_and_stop_strings(client: openai.OpenAI, offline: LLM) -> None:
@@ -203,6 +206,26 @@ def test_logprobs_list_the_chosen_token_and_the_top_alternatives(client: openai.
     for entry, token_id, candidates in zip(content, expected.token_ids, expected.logprobs):
         assert entry.logprob == pytest.approx(candidates[token_id], abs=1e-4)
         assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
+
+
+def test_echo_with_logprobs_returns_the_prompt_tokens_logprobs(client: openai.OpenAI, tokenizer,
+                                                               offline: LLM) -> None:
+    """What lm-evaluation-harness's loglikelihood requests send and read."""
+    prompt = "import os\nimport sys\n\ndef main():"
+    out = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1))[0]
+    reply = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                      logprobs=1)
+    logprobs = reply.choices[0].logprobs
+    ids = out.prompt_token_ids
+    assert reply.choices[0].text.startswith(prompt)
+    assert logprobs.tokens == [tokenizer.decode([t]) for t in ids] + [tokenizer.decode(out.outputs[0].token_ids)]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    for position in range(1, len(ids)):
+        expected = out.prompt_logprobs[position]
+        assert logprobs.token_logprobs[position] == pytest.approx(expected[ids[position]], abs=1e-4)
+        [(_, best_logprob)] = logprobs.top_logprobs[position].items()
+        assert best_logprob == pytest.approx(max(expected.values()), abs=1e-4)
+    assert logprobs.text_offset[0] == 0 and len(logprobs.text_offset) == len(ids) + 1
 
 
 def test_bad_requests_get_openai_errors_naming_the_field(client: openai.OpenAI) -> None:

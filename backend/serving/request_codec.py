@@ -64,6 +64,8 @@ OUTPUT_SPECS: tuple[dict[str, Any], ...] = (
     {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
+    # With sampling_parameters.prompt_logprobs: once, JSON (pagedllm.serving.response_codec).
+    {"name": "prompt_logprobs", "data_type": "TYPE_STRING", "dims": [1]},
 )
 INPUT_NAMES = tuple(spec["name"] for spec in INPUT_SPECS)
 MAX_PROMPT_BYTES_PER_TOKEN = 32

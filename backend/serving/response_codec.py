@@ -10,7 +10,10 @@ writes it. ``logprobs`` is, per sample, a JSON list with one object per new toke
 (so a client can tell it from the alternatives), or ``"null"`` when the request asked
 for no logprobs. A sampled token outside the requested top-k gets rank k + 1
 (the engine does not compute its exact rank; clients such as Triton's OpenAI frontend
-need an integer there).
+need an integer there). With ``sampling_parameters.prompt_logprobs``, one response (the
+first after the prompt is computed; the only one when not streaming) also carries
+``prompt_logprobs``: a JSON list with one such object per prompt token, the prompt's own
+token first, and for the first prompt token only that token with ``logprob`` and ``rank`` null.
 
 Beam search: the engine reports a beam request once, when the search ends, with the
 ``n`` best hypotheses whole (best first); so a streaming beam request gets a single
@@ -48,10 +51,13 @@ class ResponseAssembler:
         self._decode_token = decode_token
         self._samples = [_Sample() for _ in range(request.params.n)]
         self._num_input_tokens = 0
+        self._prompt_logprobs: bytes | None = None  # encoded, until a response carries it
 
     def add(self, output: RequestOutput) -> Tensors | None:
         """Record one engine step's output; returns the tensors to send now, or ``None``."""
         self._num_input_tokens = len(output.prompt_token_ids)
+        if output.prompt_logprobs is not None:
+            self._prompt_logprobs = self._prompt_entries(output.prompt_token_ids, output.prompt_logprobs)
         step = [_Sample() for _ in self._samples]
         for delta in output.outputs:
             self._absorb(self._samples[delta.index], delta)
@@ -87,6 +93,14 @@ class ResponseAssembler:
             entries.append({str(sampled): entry[str(sampled)], **entry})  # the sampled token first
         return entries
 
+    def _prompt_entries(self, prompt_token_ids: Sequence[int],
+                        prompt_logprobs: Sequence[dict[int, float] | None]) -> bytes:
+        first = {str(prompt_token_ids[0]): {"logprob": None, "rank": None,
+                                            "decoded_token": self._decode_token(prompt_token_ids[0])}}
+        later = self._logprob_entries(CompletionDelta(0, "", tuple(prompt_token_ids[1:]), None,
+                                                      tuple(entry or {} for entry in prompt_logprobs[1:]), None))
+        return json.dumps([first, *later]).encode()
+
     def _tensors(self, samples: list[_Sample], prefix: str) -> Tensors:
         tensors: Tensors = {
             "text_output": np.array([(prefix + s.text).encode("utf-8") for s in samples], dtype=np.object_),
@@ -104,6 +118,9 @@ class ResponseAssembler:
             tensors["num_input_tokens"] = np.array([self._num_input_tokens], dtype=np.uint32)
         if returns.num_output_tokens:
             tensors["num_output_tokens"] = np.array([s.num_tokens for s in samples], dtype=np.uint32)
+        if self._prompt_logprobs is not None:
+            tensors["prompt_logprobs"] = np.array([self._prompt_logprobs], dtype=np.object_)
+            self._prompt_logprobs = None
         return tensors
 
 
@@ -116,6 +133,9 @@ def merge_tensors(chunks: Sequence[Tensors]) -> Tensors:
     merged = dict(chunks[-1])
     if len(chunks) == 1:
         return merged
+    carried = [c["prompt_logprobs"] for c in chunks if "prompt_logprobs" in c]
+    if carried:
+        merged["prompt_logprobs"] = carried[0]
     merged["text_output"] = np.array([b"".join(parts) for parts in zip(*(c["text_output"] for c in chunks))],
                                      dtype=np.object_)
     if "num_output_tokens" in merged:

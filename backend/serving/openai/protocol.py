@@ -78,7 +78,10 @@ class CompletionRequest(_SamplingFields):
         return self.prompt[0]
 
     def sampling_parameters(self) -> dict[str, Any]:
-        return self._sampling(self.max_tokens, self.logprobs)
+        sampling = self._sampling(self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:  # the prompt's logprobs too, as lm-evaluation-harness reads them
+            sampling["prompt_logprobs"] = self.logprobs
+        return sampling
 
 
 class ChatMessage(BaseModel):

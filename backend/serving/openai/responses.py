@@ -35,6 +35,8 @@ class ResponseBuilder:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     _choices: list[_Choice] = field(default_factory=list)
+    # Completions with echo and logprobs: the prompt tokens', which each choice's logprobs start with.
+    _prompt_logprobs: list[TokenLogprob] | None = None
 
     def __post_init__(self) -> None:
         self._choices = [_Choice() for _ in range(self.n)]
@@ -42,6 +44,8 @@ class ResponseBuilder:
 
     def add(self, response: GenerateResponse) -> None:
         self.prompt_tokens = response.num_prompt_tokens
+        if response.prompt_logprobs is not None:
+            self._prompt_logprobs = list(response.prompt_logprobs)
         for sample in response.samples:
             choice = self._choices[sample.index]
             choice.text += sample.text
@@ -59,6 +63,8 @@ class ResponseBuilder:
         choices = []
         for index, choice in enumerate(self._choices):
             logprobs = None if choice.logprobs is None else self._logprobs(choice.logprobs, len(self.echo))
+            if logprobs is not None and self._prompt_logprobs is not None:
+                logprobs = _joined(self._logprobs(self._prompt_logprobs, 0), logprobs)
             if self.kind == "chat":
                 body: dict[str, Any] = {"message": {"role": "assistant", "content": choice.text}}
             else:
@@ -111,7 +117,13 @@ class ResponseBuilder:
             offsets.append(text_offset)
             text_offset += len(token.token)
         return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [dict(t.alternatives) for t in tokens], "text_offset": offsets}
+                "top_logprobs": [None if t.logprob is None else dict(t.alternatives) for t in tokens],
+                "text_offset": offsets}
+
+
+def _joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Completions logprobs of the prompt followed by those of the completion."""
+    return {key: first[key] + then[key] for key in first}
 
 
 def _token(text: str, logprob: float) -> dict[str, Any]:

@@ -28,10 +28,11 @@ _INVALID_REQUEST = "invalid request:"  # how backend/model.py begins its INVALID
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """One generated token's logprob; ``alternatives`` are the requested top-k, best first."""
+    """One generated (or, with echo, prompt) token's logprob; ``alternatives`` are the requested top-k, best
+    first. The first prompt token has no logprob (``None``): nothing comes before it."""
 
     token: str
-    logprob: float
+    logprob: float | None
     alternatives: tuple[tuple[str, float], ...]
 
 
@@ -50,6 +51,8 @@ class SampleDelta:
 class GenerateResponse:
     num_prompt_tokens: int
     samples: tuple[SampleDelta, ...]
+    # With sampling["prompt_logprobs"]: every prompt token's, in the one response that carries them.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class TritonBridge:
@@ -85,7 +88,7 @@ class TritonBridge:
             async for result, error in call:
                 if error is not None:
                     raise _as_openai_error(str(error))
-                yield _decode(result, top_logprobs)
+                yield _decode(result, top_logprobs, sampling.get("prompt_logprobs"))
         except InferenceServerException as error:
             raise _as_openai_error(str(error)) from error
         except grpc.aio.AioRpcError as error:  # the call itself failed: Triton is down or went away
@@ -114,7 +117,8 @@ def _inputs(prompt: str, sampling: Mapping[str, Any], stream: bool) -> list[grpc
     return inputs
 
 
-def _decode(result: grpcclient.InferResult, top_logprobs: int | None) -> GenerateResponse:
+def _decode(result: grpcclient.InferResult, top_logprobs: int | None,
+            prompt_top_logprobs: int | None = None) -> GenerateResponse:
     texts = result.as_numpy("text_output")
     reasons = result.as_numpy("finish_reason")
     counts = result.as_numpy("num_output_tokens")
@@ -132,19 +136,22 @@ def _decode(result: grpcclient.InferResult, top_logprobs: int | None) -> Generat
         )
         for index in range(len(texts))
     )
-    return GenerateResponse(int(prompt_tokens[0]), samples)
+    prompt_logprobs = None
+    if prompt_top_logprobs is not None and (encoded := result.as_numpy("prompt_logprobs")) is not None:
+        prompt_logprobs = _token_logprobs(encoded[0], prompt_top_logprobs)
+    return GenerateResponse(int(prompt_tokens[0]), samples, prompt_logprobs)
 
 
 def _token_logprobs(encoded: bytes, top_k: int) -> tuple[TokenLogprob, ...]:
     """The backend's per-token JSON objects (sampled token first, then the others) as ``TokenLogprob``s.
 
     Each object holds the top ``top_k`` tokens plus the sampled one when it is not among
-    them (ranked ``top_k + 1``).
+    them (ranked ``top_k + 1``); a prompt's first token has rank and logprob null.
     """
     tokens = []
     for entry in json.loads(encoded):
         candidates = list(entry.values())
-        top = sorted((c for c in candidates if c["rank"] <= top_k), key=lambda c: c["rank"])
+        top = sorted((c for c in candidates if c["rank"] is not None and c["rank"] <= top_k), key=lambda c: c["rank"])
         sampled = candidates[0]
         tokens.append(TokenLogprob(sampled["decoded_token"], sampled["logprob"],
                                    tuple((c["decoded_token"], c["logprob"]) for c in top)))
