@@ -17,6 +17,14 @@ The two reservation schemes are simulated with the same FCFS admission and
 request then holds its prompt plus one more token per step). Waste is the
 share of occupied slots holding no token, at the step where occupancy peaks
 and averaged over the run; "fit" is how many requests ran concurrently.
+
+Then the KV cache's dtype (``--kv-dtypes``, default ``auto,fp8_e4m3``): the real engine
+on the tiny checkpoint runs the same workload once per ``kv_cache_dtype`` with the same
+KV budget in bytes (the pool's slots at float32, so the budget binds), and reports the
+blocks it holds, the sequences running at once (peak and mean), preemptions and output
+tokens per second, each against the first row. On a CPU ``auto`` is float32; a bfloat16
+cache holds half the float32 blocks (its column is computed, since bfloat16 compute is
+emulated on most CPUs), so an 8-bit cache holds 4x float32 and 2x bfloat16.
 """
 from __future__ import annotations
 
@@ -70,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's (1024)")
     parser.add_argument("--with-model", action="store_true", help="run the real engine (tiny model), not the null model")
+    parser.add_argument("--kv-dtypes", default="auto,fp8_e4m3",
+                        help="kv_cache_dtype rows of the real-engine comparison (comma-separated; empty: skip)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT)
@@ -110,10 +120,14 @@ def run(args: argparse.Namespace) -> None:
                 met = row["waste_at_peak"] < bound if op == "<" else row["waste_at_peak"] > bound
                 print(f"- target: {scheme} waste {op} {100 * bound:.0f}%: "
                       f"{100 * row['waste_at_peak']:.1f}% ({'met' if met else 'MISSED'})")
+    kv_dtypes = [name for name in args.kv_dtypes.split(",") if name]
+    dtype_rows = measure_kv_dtypes(workload, kv_dtypes, slots, args.block_size, args.max_num_seqs, max_model_len)
+    if dtype_rows:
+        print_kv_dtype_rows(dtype_rows, workload, slots)
     report.write_json(args.out / "memory.json", {
         "machine": info, "workload": workload.kind, "scale": workload.scale, "fingerprint": workload.fingerprint(),
         "kv_slots": slots, "block_size": args.block_size, "max_num_seqs": args.max_num_seqs, "engine": engine_info,
-        "rows": rows, "traces": {t.scheme: {"reserved": t.reserved, "held": t.held, "running": t.running} for t in traces},
+        "rows": rows, "kv_dtype_rows": dtype_rows, "traces": {t.scheme: {"reserved": t.reserved, "held": t.held, "running": t.running} for t in traces},
     })
     report.save_plot(args.out / "memory.png", lambda ax: _plot(ax, traces, slots), size=(10.0, 5.0))
     print(f"\nwrote {args.out / 'memory.json'} and {args.out / 'memory.png'}")
@@ -157,6 +171,70 @@ def measure_paged(
     info = {"max_model_len": limit, "seconds": time.perf_counter() - start, "with_model": with_model,
             "preemptions": engine.scheduler.num_preemptions, "peak_blocks_used": engine.kv.peak_blocks_used}
     return Trace("paged", reserved, held, running), info
+
+
+def measure_kv_dtypes(workload: Workload, kv_dtypes: list[str], float32_slots: int, block_size: int,
+                      max_num_seqs: int, max_model_len: int | None) -> list[dict[str, Any]]:
+    """One real-engine run of the workload per ``kv_cache_dtype``, all with the KV bytes of ``float32_slots``
+    float32 token slots: how many blocks each holds, how many sequences run at once, and how fast."""
+    import torch
+
+    from pagedllm import LLM
+    from pagedllm.worker.model_runner import ModelRunner
+
+    model = str(bench_model("tiny"))
+    budget_gb = _float32_budget_gb(model, float32_slots, block_size)
+    rows: list[dict[str, Any]] = []
+    for kv_dtype in kv_dtypes:
+        llm = LLM(model, dtype="float32", kv_cache_dtype=kv_dtype, block_size=block_size, max_num_seqs=max_num_seqs,
+                  max_model_len=max_model_len, seed=workload.seed, kv_cache_memory_gb=budget_gb)
+        engine: Any = llm.engine
+        for index, request in enumerate(workload.requests):
+            engine.add_request(str(index), list(request.prompt_token_ids), pagedllm_params(request))
+        running: list[int] = []
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+            running.append(len(engine.scheduler.running))
+        seconds = time.perf_counter() - start
+        stats = engine.stats()
+        bf16_block = ModelRunner.bytes_per_block(engine.model, block_size, torch.bfloat16)
+        rows.append({
+            "kv_cache_dtype": kv_dtype, "cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
+            "bytes_per_block": ModelRunner.bytes_per_block(engine.model, block_size, engine.kv_cache_dtype),
+            "num_blocks": stats.num_blocks_total, "bfloat16_blocks": int(budget_gb * (1 << 30)) // bf16_block,
+            "peak_sequences": max(running), "mean_sequences": sum(running) / len(running),
+            "preemptions": stats.num_preemptions, "output_tokens": stats.generation_tokens_total,
+            "seconds": seconds, "output_tokens_per_s": stats.generation_tokens_total / seconds,
+        })
+        llm.close()
+    return rows
+
+
+def _float32_budget_gb(model: str, slots: int, block_size: int) -> float:
+    """The bytes of ``slots`` float32 KV slots of the checkpoint, in GiB (kv_cache_memory_gb's unit)."""
+    from transformers import AutoConfig
+
+    from pagedllm.planning.kv_math import kv_block_bytes
+
+    config = AutoConfig.from_pretrained(model)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_block = kv_block_bytes(config.num_hidden_layers, config.num_key_value_heads, head_dim, block_size, 4)
+    return (slots // block_size) * per_block / (1 << 30)
+
+
+def print_kv_dtype_rows(rows: list[dict[str, Any]], workload: Workload, float32_slots: int) -> None:
+    first = rows[0]
+    print(f"## KV cache dtype: real engine (tiny model), {workload.kind} ({workload.scale}), KV budget of "
+          f"{float32_slots} float32 slots\n")
+    print(report.markdown_table(
+        ("kv_cache_dtype", "cache", "blocks", "vs first", "bf16 blocks (computed)", "peak seqs held", "vs first",
+         "mean seqs held", "preemptions", "output tok/s", "vs first"),
+        [[r["kv_cache_dtype"], r["cache_dtype"], r["num_blocks"], f"{r['num_blocks'] / first['num_blocks']:.2f}x",
+          r["bfloat16_blocks"], r["peak_sequences"], f"{r['peak_sequences'] / first['peak_sequences']:.2f}x",
+          f"{r['mean_sequences']:.1f}", r["preemptions"], f"{r['output_tokens_per_s']:.0f}",
+          f"{r['output_tokens_per_s'] / first['output_tokens_per_s']:.2f}x"] for r in rows]))
+    print()
 
 
 def _model_max_len() -> int:
