@@ -129,7 +129,7 @@ def settled(server: TritonServer, done: Callable[[Scrape], bool], timeout_s: flo
 
 def test_known_requests_add_up_under_vllm_backend_names(server: TritonServer, tokenizer) -> None:
     before = scrape(server)
-    prompts = ["def main(self, value):", "import os", "class Foo", "while True: print"]
+    prompts = ["def main(self, value):", "import os", "class Foo", "while True: print", "lambda x"]
     client = StreamClient(server.grpc_url)
     cancelled_client = StreamClient(server.grpc_url)
     try:
@@ -138,6 +138,9 @@ def test_known_requests_add_up_under_vllm_backend_names(server: TritonServer, to
             client.send("b", make_inputs(prompts[1], greedy(3, ignore_eos=True), stream=False)),
             client.send("c", make_inputs(prompts[2], {"n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 4,
                                                       "ignore_eos": True}, stream=False)),
+            # 5 steps: the prompt's 1 token, then 3 live beams' 4 times; 2 hypotheses of 5 tokens come back.
+            client.send("e", make_inputs(prompts[4], greedy(5, ignore_eos=True, beam_width=3, n=2), stream=False,
+                                         return_num_output_tokens=True)),
         ]
         cancelled = cancelled_client.send("d", make_inputs(prompts[3], greedy(100, ignore_eos=True), stream=True,
                                                            return_num_output_tokens=True))
@@ -154,20 +157,23 @@ def test_known_requests_add_up_under_vllm_backend_names(server: TritonServer, to
     def delta(name: str, **extra: str) -> float:
         return after.value(name, **extra) - before.value(name, **extra)
 
+    assert finished[3].arrays[0]["num_output_tokens"].tolist() == [5, 5]
     after = settled(server, lambda s: s.value("vllm:e2e_request_latency_seconds_count")
-                    - before.value("vllm:e2e_request_latency_seconds_count") == 4)
+                    - before.value("vllm:e2e_request_latency_seconds_count") == 5)
     for name in PER_REQUEST:
-        assert delta(f"{name}_count") == 4, name
+        assert delta(f"{name}_count") == 5, name
     prompt_tokens = sum(len(tokenizer(prompt)["input_ids"]) for prompt in prompts)
     assert delta("vllm:prompt_tokens_total") == prompt_tokens == delta("vllm:request_prompt_tokens_sum")
-    generated = delta("vllm:generation_tokens_total")
-    assert generated == delta("vllm:request_generation_tokens_sum")
-    cancelled_tokens = generated - (5 + 3 + 2 * 4)
+    returned = delta("vllm:request_generation_tokens_sum")
+    # The counter counts what the engine computed: the beam search's pruned beams too.
+    assert delta("vllm:generation_tokens_total") == returned + (1 + 3 * 4) - 2 * 5
+    cancelled_tokens = returned - (5 + 3 + 2 * 4 + 2 * 5)
     assert received <= cancelled_tokens < 100
-    # One gap per token-producing step after the first: the n=2 request's samples step together.
+    # One gap per token-producing step after the first: the n=2 request's samples step together, and a
+    # beam search produces its tokens in one output at the end.
     assert delta("vllm:time_per_output_token_seconds_count") == (5 - 1) + (3 - 1) + (4 - 1) + (cancelled_tokens - 1)
-    assert delta("vllm:request_params_n_sum") == 5
-    assert delta("vllm:request_params_n_bucket", le="1") == 3 and delta("vllm:request_params_n_bucket", le="2") == 4
+    assert delta("vllm:request_params_n_sum") == 1 + 1 + 2 + 1 + 2
+    assert delta("vllm:request_params_n_bucket", le="1") == 3 and delta("vllm:request_params_n_bucket", le="2") == 5
     assert delta("vllm:e2e_request_latency_seconds_sum") >= delta("vllm:time_to_first_token_seconds_sum") > 0
 
 
