@@ -5,7 +5,7 @@ program, so every tile must hold rows of a single expert: each expert's rows are
 padded up to a multiple of ``BLOCK_M`` with a sentinel that the kernel masks out.
 Everything here is a handful of tensor ops (one stable sort) with no host
 synchronisation, so it runs on the kernel's device between the router and the
-kernel.
+kernel, and inside a captured CUDA graph.
 """
 from __future__ import annotations
 
@@ -48,7 +48,9 @@ def align_tokens_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: in
     experts = topk_ids.reshape(-1).long()
     num_rows = experts.numel()
     order = torch.argsort(experts, stable=True)
-    counts = torch.bincount(experts, minlength=num_experts)[:num_experts]
+    # A scatter-add rather than bincount, whose output size depends on the ids' maximum (a device sync).
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, experts,
+                                                                                   torch.ones_like(experts))
     padded_counts = (counts + block_m - 1) // block_m * block_m
     padded_ends = torch.cumsum(padded_counts, 0)
     starts = torch.cumsum(counts, 0) - counts
