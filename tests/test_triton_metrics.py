@@ -173,3 +173,55 @@ def test_the_switch_is_on_unless_false(parameters: dict[str, object], enabled: b
 def test_a_switch_value_that_is_neither_true_nor_false_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match='REPORT_CUSTOM_METRICS=.*"true" or "false"'):
         custom_metrics_enabled({"parameters": {"REPORT_CUSTOM_METRICS": {"string_value": "yes"}}})
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", device="cpu",
+                                  max_model_len=128, num_kv_blocks=64))
+
+
+def run(engine, request_id: str, prompt: str, params, *, abort_after_steps: int | None = None) -> list:
+    from pagedllm.engine.outputs import FinalOutput
+
+    engine.add_request(request_id, prompt, params)
+    final, steps = None, 0
+    while engine.has_request(request_id):
+        if steps == abort_after_steps:
+            engine.abort_request(request_id)
+        for output in engine.step():
+            final = final or FinalOutput.start(output, params.n)
+            final.add(output)
+        steps += 1
+    return final.outputs
+
+
+def test_the_engine_counts_each_prompt_once_and_every_computed_token(engine) -> None:
+    from pagedllm import SamplingParams
+
+    prompt = "def f(x): return"
+    prompt_len = len(engine.tokenizer(prompt)["input_ids"])
+    before = engine.stats()
+    samples = run(engine, "n2", prompt, SamplingParams(n=2, seed=3, max_tokens=4, ignore_eos=True))
+    after = engine.stats()
+    assert [len(s.token_ids) for s in samples] == [4, 4]
+    assert after.prompt_tokens_total - before.prompt_tokens_total == prompt_len  # the samples share it
+    assert after.generation_tokens_total - before.generation_tokens_total == 8
+
+    before = after
+    beams = run(engine, "beam", prompt, SamplingParams(beam_width=3, n=2, temperature=0, max_tokens=5, ignore_eos=True))
+    after = engine.stats()
+    assert [len(b.token_ids) for b in beams] == [5, 5]
+    assert after.prompt_tokens_total - before.prompt_tokens_total == prompt_len
+    assert after.generation_tokens_total - before.generation_tokens_total == 1 + 3 * 4  # every live beam, each step
+
+    before = after
+    cancelled = run(engine, "beam-cancelled", prompt,
+                    SamplingParams(beam_width=3, temperature=0, max_tokens=50, ignore_eos=True), abort_after_steps=3)
+    after = engine.stats()
+    assert [b.finish_reason for b in cancelled] == ["abort"]
+    assert after.prompt_tokens_total - before.prompt_tokens_total == prompt_len  # computed before the cancel
+    assert 1 <= after.generation_tokens_total - before.generation_tokens_total < 1 + 3 * 49

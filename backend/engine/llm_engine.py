@@ -237,6 +237,8 @@ class LLMEngine:
         for batch in out.beams:
             self._generation_tokens_total += len(batch.beams)
             search = _beam_search_of(batch.request)
+            if search.num_output_tokens == 1:  # its first step: the prompt is computed (counted if cancelled later)
+                self._prompt_tokens_total += len(batch.request.prompt_token_ids)
             request_id = batch.request.request_id
             if not search.done or request_id in errors:
                 continue
@@ -254,7 +256,6 @@ class LLMEngine:
     def _beam_outputs(self, request: Request, search: BeamSearch) -> list[CompletionDelta]:
         """The ``n`` best hypotheses of a finished beam search, best first, whole (beams rewrite
         earlier tokens, so there are no deltas before the end)."""
-        self._prompt_tokens_total += len(request.prompt_token_ids)
         return [
             CompletionDelta(index, self.outputs.decode(request, hyp.token_ids, hyp.finish_reason), hyp.token_ids,
                             hyp.cumulative_logprob, None, hyp.finish_reason, score=hyp.score)
