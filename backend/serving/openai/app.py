@@ -76,8 +76,8 @@ def build_app(grpc_url: str, models: Sequence[ServedModel]) -> FastAPI:
         if body.stream and body.echo:
             raise OpenAIError(400, "echo: not supported together with stream", "echo")
         builder = ResponseBuilder("completion", model.name, body.n, echo=prompt if body.echo else "")
-        return await _answer(request, _bridge(bridge), model, prompt, sampling, builder, body.stream,
-                             body.include_usage)
+        return await _naming_constraint(body.constraint_field, _answer(
+            request, _bridge(bridge), model, prompt, sampling, builder, body.stream, body.include_usage))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -90,10 +90,21 @@ def build_app(grpc_url: str, models: Sequence[ServedModel]) -> FastAPI:
         if "max_tokens" not in sampling:  # OpenAI's default: as long as the context allows
             sampling["max_tokens"] = max(1, model.max_model_len - model.count_tokens(prompt))
         builder = ResponseBuilder("chat", model.name, body.n)
-        return await _answer(request, _bridge(bridge), model, prompt, sampling, builder, body.stream,
-                             body.include_usage)
+        return await _naming_constraint(body.constraint_field, _answer(
+            request, _bridge(bridge), model, prompt, sampling, builder, body.stream, body.include_usage))
 
     return app
+
+
+async def _naming_constraint(field: str | None, work: Awaitable[T]) -> T:
+    """A constraint the engine refused (it names ``structured_outputs``) is the fault of the body field
+    that carried it: the 400's ``param`` names that field (``response_format``, ``guided_json``, ...)."""
+    try:
+        return await work
+    except OpenAIError as error:
+        if field is not None and error.param == "structured_outputs":
+            error.param = field
+        raise
 
 
 def _model(by_name: dict[str, ServedModel], name: str) -> ServedModel:

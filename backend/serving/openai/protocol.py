@@ -6,6 +6,11 @@ fields, vLLM's usual extras (``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, ``stop_token_ids``) pass through, since the engine
 has them. Ranges are checked by the engine (``SamplingParams``), whose message comes
 back as the 400's text.
+
+Structured outputs: ``response_format`` (``text``, ``json_object``, ``json_schema``) and
+vLLM's extra-body keys (``structured_outputs``, and the older ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar``) become the engine's
+``structured_outputs``; at most one of them may be given.
 """
 from __future__ import annotations
 
@@ -21,6 +26,22 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -45,6 +66,39 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @property
+    def constraint_field(self) -> str | None:
+        """The body field that carries the output constraint, if one does."""
+        given = [name for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                                   "guided_choice", "guided_grammar") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            given.remove("response_format")
+        if len(given) > 1:
+            raise ValueError(f"{given[0]}: give one output constraint, not {', '.join(given)}")
+        return given[0] if given else None
+
+    def _structured_outputs(self) -> dict[str, Any] | None:
+        field = self.constraint_field
+        if field is None:
+            return None
+        if field == "response_format":
+            response_format = self.response_format
+            if response_format is None or response_format.type == "json_object":
+                return {"json_object": True}
+            if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+                raise ValueError("response_format: type json_schema needs json_schema.schema")
+            return {"json": response_format.json_schema.schema_}
+        if field == "structured_outputs":
+            return self.structured_outputs
+        key = field.removeprefix("guided_")
+        return {key: getattr(self, field)}
 
     @property
     def include_usage(self) -> bool:
@@ -58,6 +112,7 @@ class _SamplingFields(BaseModel):
             "frequency_penalty": self.frequency_penalty, "top_k": self.top_k, "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids, "logprobs": logprobs,
+            "structured_outputs": self._structured_outputs(),
         }
         return {key: value for key, value in values.items() if value is not None}
 
