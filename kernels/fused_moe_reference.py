@@ -37,17 +37,20 @@ def fused_moe_ref(
     order = torch.argsort(choices, stable=True)
     counts = torch.bincount(choices, minlength=num_experts).tolist()
     tokens = order // top_k
-    weights = topk_weights.reshape(-1)[order].to(hidden.dtype)[:, None]
+    # Rows grouped by expert: each expert's inputs and outputs are contiguous slices, gathered and scattered once.
+    grouped = hidden[tokens]
+    expert_out = torch.empty_like(grouped)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
-        rows = tokens[start : start + count]
-        gate_up = F.linear(hidden[rows], w_gate_up[expert])
-        activated = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        out.index_add_(0, rows, F.linear(activated, w_down[expert]) * weights[start : start + count])
-        start += count
-    return out
+        stop = start + count
+        gate_up = F.linear(grouped[start:stop], w_gate_up[expert])
+        torch.mm(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down[expert].t(), out=expert_out[start:stop])
+        start = stop
+    # Rows are added in expert order, so each token sums its experts in ascending order (transformers' order).
+    expert_out *= topk_weights.reshape(-1)[order].to(hidden.dtype)[:, None]
+    return out.index_add_(0, tokens, expert_out)
 
 
 def validate_moe_inputs(
