@@ -3,7 +3,7 @@
 # transformers but no network). Installs pagedllm without dependencies, then runs the sections
 # named on the command line (default: all, in this order), each under its own timeout:
 #   engine   the engine on CUDA with the Triton kernels, CUDA graphs off and on, gives the CPU
-#            backend's greedy tokens (fp32, llama and qwen3); bf16 graphs on vs off
+#            backend's greedy tokens (fp32, llama, qwen3 and qwen2_moe); bf16 graphs on vs off
 #   graphs   `pagedllm bench graphs`: decode tokens/s with CUDA graphs off and on (Llama-3.2-1B shapes)
 #   launch   the planned Triton launch (plan once per step, every layer reuses it) against the
 #            reference, and its host time per layer against an unplanned launch
@@ -12,8 +12,8 @@
 #   moe      the fused-MoE Triton kernel against a per-expert loop of torch GEMMs (Mixtral-8x7B and
 #            Qwen3-30B-A3B layer shapes, bf16, 1-2048 tokens): correctness, then median ms of each
 # The sections' programs are in scripts/gpu/. All together took 3.5 minutes on an H200 before `moe`
-# was added (the timeouts now sum to 11.5: under a 10-minute limit, run `moe` on its own). Tables go to
-# stdout, JSON results to $OUT (or ./gpu-results). Exit 1 if any section failed.
+# and qwen2_moe were added (the timeouts now sum to 12.3: under a 10-minute limit, run `moe` on its
+# own). Tables go to stdout, JSON results to $OUT (or ./gpu-results). Exit 1 if any section failed.
 # Usage: bash scripts/gpu_check.sh [engine] [graphs] [launch] [kernels] [plan] [moe]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +42,7 @@ section() {
 
 for name in "${SECTIONS[@]}"; do
     case $name in
-        engine) section engine 120 python3 scripts/gpu/engine_cuda.py ;;
+        engine) section engine 170 python3 scripts/gpu/engine_cuda.py ;;
         graphs) section graphs 150 pagedllm bench graphs --json "$OUT/graphs.json" ;;
         launch) section launch 45 python3 scripts/gpu/planned_launch.py ;;
         kernels) section kernels 110 pagedllm bench kernels --rep-ms 30 --json "$OUT/kernels.json" ;;

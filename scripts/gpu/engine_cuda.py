@@ -14,7 +14,7 @@ failures = 0
 def tokens(llm: LLM) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
 
-for arch in ("llama", "qwen3"):
+for arch in ("llama", "qwen3", "qwen2_moe"):  # qwen2_moe: the fused-MoE kernel inside the engine, graphs included
     model = str(make_tiny_model(Path(tempfile.mkdtemp()) / arch, arch=arch))
     want = tokens(LLM(model=model, dtype="float32", device="cpu"))
     for label, extra in (("graphs off", {}), ("graphs on", {"cuda_graphs": True, "max_num_seqs": 16})):
