@@ -6,14 +6,23 @@ Its schema is compressed-tensors' own ``QuantizationConfig``; this module parses
 that class, accepts what the engine can run and refuses the rest by name:
 
 * weights of the targeted ``Linear`` layers in 8 bits: FP8 (``float``, e4m3) or INT8
-  (``int``, symmetric), with one scale per tensor or per output channel (``weight_scale``);
+  (``int``, symmetric), with one scale per tensor or per output channel (``weight_scale``),
+  stored as they are (``float-quantized``, ``int-quantized``, ``naive-quantized``) or INT8
+  packed into int32 words (``pack-quantized``, what llm-compressor writes for W8A16);
 * input activations: none (weight-only), or FP8 with a static (``input_scale``) or dynamic scale;
 * a KV-cache scheme: per-layer ``k_scale`` / ``v_scale`` for an 8-bit KV cache.
 
-Weights are dequantized once at load into the compute dtype (``dequantize_weight``).
-Activation quantization is not emulated: with dequantized weights the forward runs in the
-compute dtype, as vLLM does on hardware without FP8 support; a static ``input_scale`` is still
-checked, so a corrupt one fails the load.
+Weights are dequantized once at load into the compute dtype (:class:`QuantizedWeights`), with one
+log line saying so. Activation quantization is not emulated: with dequantized weights the
+forward runs in the compute dtype, as vLLM does on hardware without FP8 support; a static
+``input_scale`` is still checked, so a corrupt one fails the load.
+
+On a CPU, torch's int8 weight-packed matmul (``aten._weight_int8pack_mm``) was measured
+against dequantizing once (``scripts/ab_int8_weight_matmul.py``, 1 thread, 2048x2048, this
+project's AVX-512 host): with float32 activations, the engine's CPU default, it is 5-35x slower
+than the packed float32 GEMM (5.4 ms vs 1.1 ms at 1 row, 39 ms vs 2.2 ms at 8); with bfloat16
+activations it wins only at one row (0.38 vs 0.65 ms) and loses at 32 (3.5 vs 1.9 ms). So INT8
+weights are dequantized once too.
 """
 from __future__ import annotations
 
@@ -27,12 +36,15 @@ from typing import Any
 
 import torch
 
+from pagedllm.parallel.sharding import RowRange
+
 log = logging.getLogger(__name__)
 
 QUANT_METHOD = "compressed-tensors"
-SUPPORTED_FORMATS = ("float-quantized", "int-quantized", "naive-quantized")
+SUPPORTED_FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "pack-quantized")
 # The auxiliary tensors of a quantized Linear, after its ``.weight``'s prefix.
 WEIGHT_SCALE, INPUT_SCALE, ZERO_POINT = "weight_scale", "input_scale", "weight_zero_point"
+WEIGHT_PACKED, WEIGHT_SHAPE = "weight_packed", "weight_shape"
 # Per-layer KV-cache scales, as llm-compressor names them (and the older output-scale spelling vLLM also reads).
 KV_SCALE_NAMES = {"k": ("self_attn.k_scale", "self_attn.k_proj.output_scale"),
                   "v": ("self_attn.v_scale", "self_attn.v_proj.output_scale")}
@@ -54,6 +66,7 @@ class CheckpointQuantization:
     weights: WeightScheme | None
     ignore: tuple[str, ...]  # layer names (or "re:" patterns) left in full precision
     kv_cache: bool  # carries per-layer k_scale / v_scale
+    packed: bool = False  # pack-quantized: INT8 weights in int32 words (``weight_packed``, ``weight_shape``)
 
     def quantizes(self, weight_name: str) -> bool:
         """Whether ``<layer>.weight`` is stored quantized: a decoder-layer Linear not in ``ignore``."""
@@ -65,7 +78,7 @@ class CheckpointQuantization:
     def is_auxiliary(self, name: str) -> bool:
         """Whether a checkpoint tensor is a scale this module reads rather than a model parameter."""
         leaf = name.rpartition(".")[2]
-        if leaf in (WEIGHT_SCALE, INPUT_SCALE, ZERO_POINT):
+        if leaf in (WEIGHT_SCALE, INPUT_SCALE, ZERO_POINT, WEIGHT_PACKED, WEIGHT_SHAPE):
             return True
         return self.kv_cache and any(name.endswith(suffix) for names in KV_SCALE_NAMES.values() for suffix in names)
 
@@ -94,7 +107,8 @@ def checkpoint_quantization(config: Any) -> CheckpointQuantization | None:
         parsed = QuantizationConfig.model_validate(dict(values))
     except ValidationError as error:
         first = error.errors()[0]
-        key = ".".join(str(part) for part in first["loc"])
+        # pydantic names its validators in the path ("function-after[...]"); the keys are the rest.
+        key = ".".join(str(part) for part in first["loc"] if "[" not in str(part))
         raise ValueError(f"quantization_config.{key} is invalid: {first['msg']}") from error
     if parsed.format not in SUPPORTED_FORMATS:
         raise ValueError(f"quantization_config.format={parsed.format!r} is not supported: expected one of "
@@ -105,8 +119,11 @@ def checkpoint_quantization(config: Any) -> CheckpointQuantization | None:
         raise ValueError("quantization_config.config_groups: groups with different schemes are not supported")
     if parsed.kv_cache_scheme is not None:
         _check_kv_scheme(parsed.kv_cache_scheme)
+    packed = parsed.format == "pack-quantized"
+    if packed and schemes and schemes[0].dtype != torch.int8:
+        raise ValueError("quantization_config.format='pack-quantized' is supported for INT8 weights only")
     return CheckpointQuantization(schemes[0] if schemes else None, tuple(parsed.ignore or ()),
-                                  parsed.kv_cache_scheme is not None)
+                                  parsed.kv_cache_scheme is not None, packed)
 
 
 def _weight_scheme(where: str, group: Any) -> WeightScheme:
@@ -217,3 +234,77 @@ def checkpoint_kv_cache_scales(model_dir: Path, files: list[Path], num_layers: i
         location = {name: handle for handle in handles for name in handle.keys()}
         return kv_cache_scales(quantization, num_layers,
                                lambda name: location[name].get_tensor(name) if name in location else None)
+
+
+class QuantizedWeights:
+    """The loader's view of a quantized checkpoint: which tensors hold a weight, and the weight itself,
+    dequantized into the compute dtype (and cut to a tensor-parallel rank's rows)."""
+
+    def __init__(self, quantization: CheckpointQuantization, dtype: torch.dtype) -> None:
+        if quantization.weights is None:
+            raise ValueError("QuantizedWeights needs a checkpoint with quantized weights")
+        self.quantization = quantization
+        self.scheme = quantization.weights
+        self.dtype = dtype
+
+    @classmethod
+    def of_checkpoint(cls, config: Any, dtype: torch.dtype, device: torch.device) -> QuantizedWeights | None:
+        """``None`` for a checkpoint without quantized weights; logs the one line otherwise."""
+        quantization = checkpoint_quantization(config)
+        if quantization is None or quantization.weights is None:
+            return None
+        log_dequantized(quantization.weights, dtype, device)
+        return cls(quantization, dtype)
+
+    def stored_name(self, name: str) -> str:
+        """The checkpoint tensor that holds parameter tensor ``name`` (its packed words when packed)."""
+        if self.quantization.packed and self.quantization.quantizes(name):
+            return name.removesuffix("weight") + WEIGHT_PACKED
+        return name
+
+    def is_auxiliary(self, name: str) -> bool:
+        return self.quantization.is_auxiliary(name)
+
+    def load(self, name: str, rows: RowRange | None, read: Callable[[str], torch.Tensor | None]) -> torch.Tensor:
+        """Weight ``name`` in the compute dtype; ``rows`` (a tensor-parallel rank's share, or ``None``) cuts it as
+        the loader would; ``read(tensor name)`` returns a checkpoint tensor or ``None`` when absent."""
+        prefix = name.removesuffix("weight")
+        if self.quantization.packed:
+            weight = _unpacked(prefix, read)
+        else:
+            weight = read(name)
+            if weight is None:
+                raise ValueError(f"checkpoint tensor {name} is missing")
+        input_scale = read(prefix + INPUT_SCALE)
+        if self.scheme.activations == "static":
+            if input_scale is None:
+                raise ValueError(f"checkpoint tensor {prefix + INPUT_SCALE} is missing: the activations of "
+                                 f"{prefix.rstrip('.')} have static scales")
+            check_scale(prefix + INPUT_SCALE, input_scale)
+        full = dequantize_weight(name, weight, read(prefix + WEIGHT_SCALE), self.scheme, self.dtype)
+        return full if rows is None else _rows(full, rows)
+
+
+def _unpacked(prefix: str, read: Callable[[str], torch.Tensor | None]) -> torch.Tensor:
+    from compressed_tensors.compressors.pack_quantized import unpack_from_int32
+
+    packed, shape = read(prefix + WEIGHT_PACKED), read(prefix + WEIGHT_SHAPE)
+    for name, tensor in ((WEIGHT_PACKED, packed), (WEIGHT_SHAPE, shape)):
+        if tensor is None:
+            raise ValueError(f"checkpoint tensor {prefix + name} is missing: the checkpoint is pack-quantized")
+    if packed.dtype != torch.int32 or shape.numel() != 2:
+        raise ValueError(f"checkpoint tensors {prefix + WEIGHT_PACKED} ({packed.dtype}) and {prefix + WEIGHT_SHAPE} "
+                         f"({tuple(shape.tolist())}) are not an int32 packing of a 2-D weight")
+    return unpack_from_int32(packed, 8, torch.Size(int(size) for size in shape.tolist()))
+
+
+def _rows(weight: torch.Tensor, rows: RowRange) -> torch.Tensor:
+    """``rows.start:rows.stop`` along ``rows.dim``, zero-padded to ``rows.padded`` (a rank's share)."""
+    index: list[slice] = [slice(None)] * weight.dim()
+    index[rows.dim] = slice(rows.start, rows.stop)
+    part = weight[tuple(index)]
+    if rows.size < rows.padded:
+        pad = list(part.shape)
+        pad[rows.dim] = rows.padded - rows.size
+        part = torch.cat([part, part.new_zeros(pad)], dim=rows.dim)
+    return part
