@@ -1,12 +1,22 @@
-"""Structured outputs through the official ``openai`` client against a real ``pagedllm serve --openai-port``.
+"""Structured outputs and tool calling through the official ``openai`` client against a real
+``pagedllm serve --openai-port --tool-call-parser hermes``.
 
-One server for the module (``test_openai_server``'s fixtures): ``response_format`` with a
-pydantic model (``chat.completions.parse``), json_schema and json_object, vLLM's extra-body
-keys, streaming and not, and a schema xgrammar rejects as a 400 naming the field.
+One server for the module, on the tiny llama with a Hermes-style chat template written
+here: ``response_format`` with a pydantic model (``chat.completions.parse``), json_schema
+and json_object, vLLM's extra-body keys, tools with ``tool_choice`` required, named, auto
+and none, streaming and not, and a schema xgrammar rejects as a 400 naming the field.
 """
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -15,7 +25,11 @@ openai = pytest.importorskip("openai")
 
 from pydantic import BaseModel, Field  # noqa: E402
 
-from test_openai_server import SERVED_NAME, checkpoint, client, serve  # noqa: E402,F401
+from transformers import AutoTokenizer  # noqa: E402
+
+from pagedllm.serving.server import free_port  # noqa: E402
+from pagedllm.testing.hub_cache import add_to_hub_cache  # noqa: E402
+from test_openai_server import REPO_ID, SERVED_NAME, Serve  # noqa: E402
 
 pytestmark = pytest.mark.tritonserver
 
@@ -23,6 +37,66 @@ MESSAGES = [{"role": "user", "content": "Describe a person."}]
 PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                                   "age": {"type": "integer", "minimum": 0, "maximum": 99}},
                  "required": ["name", "age"], "additionalProperties": False}
+
+
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|system|>\nYou may call these tools:\n<tools>\n"
+    "{%- for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    'Reply with <tool_call>{"name": ..., "arguments": ...}</tool_call>\n{% endif %}'
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}<|tool|>\n<tool_response>{{ message.content }}</tool_response>\n"
+    "{%- elif message.tool_calls is defined %}<|assistant|>\n"
+    "{%- for call in message.tool_calls %}<tool_call>{{ call.function | tojson }}</tool_call>\n{% endfor %}"
+    "{%- else %}<|{{ message.role }}|>\n{{ message.content }}\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The forecast",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    snapshot = add_to_hub_cache(tmp_path_factory.mktemp("hf_home") / "hub", REPO_ID, tiny_model_dir("llama"))
+    (snapshot / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    return snapshot
+
+
+@pytest.fixture(scope="module")
+def serve(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    hf_home = checkpoint.parents[3]
+    tmpdir = tmp_path_factory.mktemp("serve-tmp")
+    grpc, http, metrics, port = free_port(), free_port(), free_port(), free_port()
+    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmpdir), "OMP_NUM_THREADS": "1"}
+    env.pop("HF_HUB_CACHE", None)
+    command = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", REPO_ID, "--served-model-name", SERVED_NAME,
+               "--engine-arg", "dtype=float32", "--engine-arg", "device=cpu", "--engine-arg", "num_kv_blocks=160",
+               "--engine-arg", "max_model_len=1024", "--host", "127.0.0.1", "--grpc-port", str(grpc),
+               "--http-port", str(http), "--metrics-port", str(metrics), "--openai-port", str(port),
+               "--tool-call-parser", "hermes"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    running = Serve(process, tmpdir, f"http://127.0.0.1:{port}/v1", f"http://127.0.0.1:{metrics}/metrics")
+    threading.Thread(target=lambda: running.output.extend(iter(process.stdout.readline, "")), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 300
+        while not any("Ctrl-C stops the server" in line for line in running.output):
+            assert process.poll() is None and time.monotonic() < deadline, "".join(running.output[-40:])
+            time.sleep(0.2)
+        yield running
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def client(serve: Serve) -> openai.OpenAI:
+    return openai.OpenAI(base_url=serve.openai_url, api_key="unused", max_retries=0, timeout=120)
 
 
 class Person(BaseModel):
@@ -85,3 +159,70 @@ def test_two_constraints_are_a_400(client: openai.OpenAI) -> None:
         client.completions.create(model=SERVED_NAME, prompt="x", max_tokens=5,
                                   extra_body={"guided_regex": "a", "guided_choice": ["b"]})
     assert error.value.body["param"] == "guided_regex"
+
+
+def assert_calls(calls: list[dict[str, Any]], names: set[str] | None = None) -> None:
+    assert calls
+    for call in calls:
+        assert call["id"].startswith("call_") and call["type"] == "function"
+        assert names is None or call["function"]["name"] in names
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+
+
+def streamed_calls(chunks: Any) -> tuple[str, list[dict[str, Any]], str | None]:
+    """Content, tool calls and finish reason accumulated from stream chunks as OpenAI's SDKs do."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            for part in delta.tool_calls or []:
+                call = calls.setdefault(part.index, {"id": None, "type": "function",
+                                                     "function": {"name": "", "arguments": ""}})
+                call["id"] = part.id or call["id"]
+                call["function"]["name"] += part.function.name or ""
+                call["function"]["arguments"] += part.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def ask(client: openai.OpenAI, stream: bool, **kwargs: Any) -> tuple[str | None, list[dict[str, Any]], str | None]:
+    request = dict(model=SERVED_NAME, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,
+                   max_tokens=80, temperature=0, **kwargs)
+    if stream:
+        return streamed_calls(client.chat.completions.create(stream=True, **request))
+    choice = client.chat.completions.create(**request).choices[0]
+    calls = [call.model_dump() for call in choice.message.tool_calls or []]
+    return choice.message.content, calls, choice.finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_required_and_named(client: openai.OpenAI, stream: bool) -> None:
+    # One call: a noisy model would otherwise keep appending calls to the list until max_tokens.
+    _, calls, finish = ask(client, stream, tool_choice="required", parallel_tool_calls=False)
+    assert finish == "tool_calls" and len(calls) == 1
+    assert_calls(calls)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    content, calls, finish = ask(client, stream, tool_choice=named)
+    assert finish == "tool_calls" and not content and len(calls) == 1
+    assert_calls(calls, {"get_time"})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_auto_parses_the_hermes_text(client: openai.OpenAI, stream: bool) -> None:
+    # The noisy model is made to write a Hermes tool call; the server's parser must read it back.
+    regex = r'Checking\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Tokyo)", "days": [1-7]\}\}</tool_call>'
+    content, calls, finish = ask(client, stream, tool_choice="auto", extra_body={"guided_regex": regex})
+    assert finish == "tool_calls" and content == "Checking. "
+    assert_calls(calls, {"get_weather"})
+
+
+def test_tool_choice_none_and_tools_reach_the_template(client: openai.OpenAI, checkpoint: Path) -> None:
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    response = client.chat.completions.create(model=SERVED_NAME, messages=messages, tools=TOOLS, tool_choice="none",
+                                              max_tokens=5, temperature=0)
+    assert not response.choices[0].message.tool_calls
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    prompt = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert "get_weather" in prompt
+    assert response.usage.prompt_tokens == len(tokenizer(prompt).input_ids)

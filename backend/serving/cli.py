@@ -84,6 +84,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "Triton (a real engine step), else 503 with the reason; for liveness probes")
     parser.add_argument("--openai-port", type=int, default=None,
                         help="also serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions) on this port")
+    parser.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                        help="with --openai-port: read the model family's tool-call text out of replies to "
+                             'tool_choice "auto" (hermes: Qwen2.5/Qwen3 <tool_call>; llama3_json: Llama 3.1+)')
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -248,7 +251,8 @@ def _start_openai(args: argparse.Namespace, server: TritonServer, models: list[S
     from pagedllm.serving.openai.http_server import OpenAIServer
 
     grpc_url = f"127.0.0.1:{server.grpc_port}" if args.host in ("0.0.0.0", "::") else server.grpc_url
-    return OpenAIServer(grpc_url, models, host=args.host, port=args.openai_port).start()
+    return OpenAIServer(grpc_url, models, host=args.host, port=args.openai_port,
+                        tool_call_parser=args.tool_call_parser).start()
 
 
 def add_install_backend_arguments(parser: argparse.ArgumentParser) -> None:

@@ -23,14 +23,18 @@ from pagedllm.serving.openai.errors import OpenAIError, bad_request, validation_
 from pagedllm.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.serving.openai.responses import ResponseBuilder
 from pagedllm.serving.openai.served_models import ServedModel
+from pagedllm.serving.openai.tool_choice import tool_calling
+from pagedllm.serving.openai.tool_parsers import tool_call_parser
 from pagedllm.serving.openai.triton_bridge import GenerateResponse, TritonBridge
 
 T = TypeVar("T")
 
 
-def build_app(grpc_url: str, models: Sequence[ServedModel]) -> FastAPI:
-    """The FastAPI app serving ``models`` through the tritonserver at ``grpc_url``."""
+def build_app(grpc_url: str, models: Sequence[ServedModel], tool_call_parser_name: str | None = None) -> FastAPI:
+    """The FastAPI app serving ``models`` through the tritonserver at ``grpc_url``; ``tool_call_parser_name``
+    reads tool calls out of replies to ``tool_choice: "auto"`` (``pagedllm.serving.openai.tool_parsers``)."""
     by_name = {model.name: model for model in models}
+    parser = None if tool_call_parser_name is None else tool_call_parser(tool_call_parser_name)
     bridge: TritonBridge | None = None
 
     @asynccontextmanager
@@ -83,14 +87,23 @@ def build_app(grpc_url: str, models: Sequence[ServedModel]) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         model = _model(by_name, body.model)
         try:
-            prompt = model.chat_prompt([m.template_message() for m in body.messages])
+            tools = body.tool_definitions()
+            calling = tool_calling(tools, body.tool_choice, parser, body.parallel_tool_calls)
+            prompt = model.chat_prompt([m.template_message() for m in body.messages], tools)
             sampling = body.sampling_parameters()
+            constraint = None if calling is None else calling.structured_outputs()
+            if constraint is not None:
+                if "structured_outputs" in sampling:
+                    raise ValueError(f"tool_choice: {body.tool_choice!r} constrains the output itself; "
+                                     f"drop {body.constraint_field}")
+                sampling["structured_outputs"] = constraint
         except ValueError as error:
             raise bad_request(error) from error
         if "max_tokens" not in sampling:  # OpenAI's default: as long as the context allows
             sampling["max_tokens"] = max(1, model.max_model_len - model.count_tokens(prompt))
-        builder = ResponseBuilder("chat", model.name, body.n)
-        return await _naming_constraint(body.constraint_field, _answer(
+        builder = ResponseBuilder("chat", model.name, body.n, tool_calling=calling)
+        field = body.constraint_field or ("tools" if constraint is not None else None)
+        return await _naming_constraint(field, _answer(
             request, _bridge(bridge), model, prompt, sampling, builder, body.stream, body.include_usage))
 
     return app

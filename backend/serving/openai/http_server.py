@@ -21,10 +21,10 @@ class OpenAIServer:
     """``start()`` returns once the port accepts connections; ``stop()`` is idempotent."""
 
     def __init__(self, grpc_url: str, models: Sequence[ServedModel], *, host: str = "127.0.0.1", port: int = 9000,
-                 startup_timeout_s: float = 60.0) -> None:
+                 startup_timeout_s: float = 60.0, tool_call_parser: str | None = None) -> None:
         self.host = host
         self.port = port
-        config = uvicorn.Config(build_app(grpc_url, models), host=host, port=port, log_level="warning",
+        config = uvicorn.Config(build_app(grpc_url, models, tool_call_parser), host=host, port=port, log_level="warning",
                                 access_log=False, timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="openai-http", daemon=True)

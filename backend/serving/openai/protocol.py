@@ -158,10 +158,29 @@ class ChatMessage(BaseModel):
         return message
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -171,3 +190,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs: requires logprobs to be true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(self.max_completion_tokens or self.max_tokens, logprobs)
+
+    def tool_definitions(self) -> list[dict[str, Any]] | None:
+        """The tools as OpenAI sends them (``{"type": "function", "function": {...}}``), for the chat template."""
+        return None if not self.tools else [tool.model_dump(exclude_none=True) for tool in self.tools]

@@ -4,6 +4,11 @@ One ``ResponseBuilder`` per request: ``chunks()`` turns each Triton response int
 stream's chunks, one per sample that gained text or finished; ``response()`` gives the
 non-streaming body from everything added. Either way ``usage`` counts the prompt tokens
 the engine saw and the tokens every sample generated.
+
+With tool calling (:mod:`pagedllm.serving.openai.tool_choice`) a chat reply's calls come back
+as ``tool_calls`` (finish reason ``tool_calls``). A stream sends content only as far as no call
+can have started, and each call, once its sample has finished, as one OpenAI tool-call delta
+(``index``, ``id``, ``type``, ``function`` with its name and whole arguments).
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pagedllm.serving.openai.tool_choice import ToolCalling
 from pagedllm.serving.openai.triton_bridge import GenerateResponse, SampleDelta, TokenLogprob
 
 Kind = Literal["chat", "completion"]
@@ -22,6 +28,7 @@ class _Choice:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    sent: int = 0  # tool calling, streaming: characters of text already sent as content
 
 
 @dataclass(slots=True)
@@ -30,6 +37,7 @@ class ResponseBuilder:
     model: str
     n: int
     echo: str = ""  # completions with echo: the prompt, put before each choice's text
+    tool_calling: ToolCalling | None = None  # chat with tools: read calls out of the replies
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_tokens: int = 0
@@ -65,11 +73,18 @@ class ResponseBuilder:
             logprobs = None if choice.logprobs is None else self._logprobs(choice.logprobs, len(self.echo))
             if logprobs is not None and self._prompt_logprobs is not None:
                 logprobs = _joined(self._logprobs(self._prompt_logprobs, 0), logprobs)
+            finish_reason = choice.finish_reason
             if self.kind == "chat":
                 body: dict[str, Any] = {"message": {"role": "assistant", "content": choice.text}}
+                if self.tool_calling is not None:
+                    content, calls = self.tool_calling.extract(choice.text)
+                    if calls:
+                        body["message"] = {"role": "assistant", "content": content,
+                                           "tool_calls": [call.as_openai() for call in calls]}
+                        finish_reason = "tool_calls"
             else:
                 body = {"text": self.echo + choice.text}
-            choices.append({"index": index, **body, "logprobs": logprobs, "finish_reason": choice.finish_reason})
+            choices.append({"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason})
         return {**self._envelope(stream=False), "choices": choices, "usage": self.usage()}
 
     def role_chunk(self) -> dict[str, Any] | None:
@@ -84,6 +99,8 @@ class ResponseBuilder:
         """The stream chunks for one Triton response; ``usage`` is null in each when it will follow at the end."""
         offsets = [len(self.echo + c.text) for c in self._choices]
         self.add(response)
+        if self.tool_calling is not None and self.kind == "chat":
+            return self._tool_chunks(response, include_usage)
         chunks = []
         for sample in response.samples:
             if not sample.text and sample.finish_reason is None and not sample.logprobs:
@@ -92,6 +109,38 @@ class ResponseBuilder:
             if include_usage:
                 chunk["usage"] = None
             chunks.append(chunk)
+        return chunks
+
+    def _tool_chunks(self, response: GenerateResponse, include_usage: bool) -> list[dict[str, Any]]:
+        calling = self.tool_calling
+        if calling is None:
+            return []
+        chunks = []
+        for sample in response.samples:
+            choice = self._choices[sample.index]
+            deltas: list[tuple[dict[str, Any], str | None]] = []
+            if sample.finish_reason is None:
+                end = calling.content_end(choice.text)
+                if end > choice.sent:
+                    deltas.append(({"content": choice.text[choice.sent:end]}, None))
+                    choice.sent = end
+            else:
+                content, calls = calling.extract(choice.text)
+                rest = (content or "")[choice.sent:] if calls else choice.text[choice.sent:]
+                if calls:
+                    if rest:
+                        deltas.append(({"content": rest}, None))
+                    deltas.append(({"tool_calls": [{"index": i, **call.as_openai()} for i, call in enumerate(calls)]},
+                                   "tool_calls"))
+                else:
+                    deltas.append(({"content": rest}, sample.finish_reason))
+                choice.sent = len(choice.text)
+            for delta, finish_reason in deltas:
+                chunk = {**self._envelope(stream=True), "choices": [
+                    {"index": sample.index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                if include_usage:
+                    chunk["usage"] = None
+                chunks.append(chunk)
         return chunks
 
     def usage_chunk(self) -> dict[str, Any]:

@@ -36,14 +36,16 @@ class ServedModel:
             max_model_len = int(config.get("max_position_embeddings") or tokenizer.model_max_length)
         return cls(name, triton_model, tokenizer, max_model_len)
 
-    def chat_prompt(self, messages: Sequence[dict[str, Any]]) -> str:
-        """The conversation rendered by the model's chat template, ready for generation."""
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """The conversation rendered by the model's chat template, ready for generation; ``tools`` (OpenAI's
+        function definitions) reach the template through transformers' ``apply_chat_template(tools=...)``."""
         if not self.tokenizer.chat_template:
             raise OpenAIError(400, f"messages: model {self.name!r} has no chat template (its tokenizer_config.json or "
                                    "chat_template.jinja defines none); use /v1/completions with a plain prompt",
                               "messages")
         try:
-            prompt = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            prompt = self.tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                                        tokenize=False, add_generation_prompt=True)
         except (TemplateError, ValueError, TypeError) as error:  # e.g. a template's "roles must alternate"
             raise OpenAIError(400, f"messages: the chat template rejected them: {error}", "messages") from error
         # Templates usually write the BOS token themselves; the engine's tokenizer would add a second one.
