@@ -21,7 +21,7 @@ from pagedllm.serving.request_codec import INPUT_SPECS, OUTPUT_SPECS
 from pagedllm.serving.server import TritonServer
 from pagedllm.serving.server_placement import run_beside
 from pagedllm.serving.supervision import DIR_VARIABLE
-from pagedllm.serving.supervisor import DEFAULT_MAX_RELOADS, Supervisor, SupervisorGaveUp
+from pagedllm.serving.supervisor import DEFAULT_CRASH_LOOP_S, DEFAULT_MAX_RELOADS, Supervisor, SupervisorGaveUp
 
 if TYPE_CHECKING:  # the OpenAI server needs the `openai` extra: imported only when asked for
     from pagedllm.serving.openai.http_server import OpenAIServer
@@ -79,6 +79,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-reloads", type=int, default=DEFAULT_MAX_RELOADS,
                         help="exit (code 1) after this many failed engine restarts in a row "
                              "(each restart: a model reload, or a tritonserver restart when a backend stub died)")
+    parser.add_argument("--crash-loop-s", type=float, default=DEFAULT_CRASH_LOOP_S,
+                        help="an engine that dies again within this many seconds of its restart counts that "
+                             "restart as failed (a crash loop), toward --max-reloads")
     parser.add_argument("--health-port", type=int, default=None,
                         help="serve GET /health on this port: 200 once every model generated a token through "
                              "Triton (a real engine step), else 503 with the reason; for liveness probes")
@@ -106,6 +109,8 @@ def _serve(args: argparse.Namespace, scratch: Path | None, supervision: Path) ->
     try:
         if args.max_reloads < 1:
             raise ValueError(f"--max-reloads must be >= 1, got {args.max_reloads}")
+        if args.crash_loop_s < 0:
+            raise ValueError(f"--crash-loop-s must be >= 0, got {args.crash_loop_s}")
         # Checked before the model loads, which may take minutes (bind() raises OverflowError past 65535).
         for flag, port in (("--health-port", args.health_port), ("--openai-port", args.openai_port)):
             if port is not None and not 0 <= port <= 65535:
@@ -124,7 +129,7 @@ def _serve(args: argparse.Namespace, scratch: Path | None, supervision: Path) ->
     server = TritonServer(repository, grpc_port=args.grpc_port, http_port=args.http_port,
                           metrics_port=args.metrics_port, host=args.host, log_path="-",
                           log_verbose=args.log_verbose, env={DIR_VARIABLE: str(supervision)})
-    supervisor = Supervisor(server, supervision, max_reloads=args.max_reloads,
+    supervisor = Supervisor(server, supervision, max_reloads=args.max_reloads, crash_loop_s=args.crash_loop_s,
                             report=lambda line: print(line, file=sys.stderr, flush=True))
     stop = threading.Event()
 
