@@ -9,19 +9,21 @@
 #            reference, and its host time per layer against an unplanned launch
 #   kernels  `pagedllm bench kernels` (correctness, decode bandwidth vs peak, prefill TFLOP/s, SDPA)
 #   plan     `pagedllm plan --calibrate` on this GPU beside the H200 data-sheet figures
+#   tp       NCCL tensor parallelism: TP=2 against TP=1 greedy tokens, graphs off and on (needs 2 GPUs;
+#            with one it says so and passes)
 #   moe      the fused-MoE Triton kernel against a per-expert loop of torch GEMMs (Mixtral-8x7B and
 #            Qwen3-30B-A3B layer shapes, bf16, 1-2048 tokens): correctness, then median ms of each
 # The sections' programs are in scripts/gpu/. All together took 3.5 minutes on an H200 before `moe`
 # and qwen2_moe were added (the timeouts now sum to 12.3: under a 10-minute limit, run `moe` on its
 # own). Tables go to stdout, JSON results to $OUT (or ./gpu-results). Exit 1 if any section failed.
-# Usage: bash scripts/gpu_check.sh [engine] [graphs] [launch] [kernels] [plan] [moe]
+# Usage: bash scripts/gpu_check.sh [engine] [graphs] [launch] [kernels] [plan] [moe] [tp]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 SECTIONS=("$@")
-[ ${#SECTIONS[@]} -eq 0 ] && SECTIONS=(engine graphs launch kernels plan moe)
+[ ${#SECTIONS[@]} -eq 0 ] && SECTIONS=(engine graphs launch kernels plan moe tp)
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/pagedllm-install.log 2>&1 \
     || { cat /tmp/pagedllm-install.log; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -48,7 +50,8 @@ for name in "${SECTIONS[@]}"; do
         kernels) section kernels 110 pagedllm bench kernels --rep-ms 30 --json "$OUT/kernels.json" ;;
         plan) section plan 150 bash scripts/gpu/plan_calibration.sh "$OUT" ;;
         moe) section moe 120 python3 scripts/gpu/fused_moe_bench.py "$OUT/fused_moe.json" ;;
-        *) echo "unknown section $name (engine, graphs, launch, kernels, plan, moe)"; FAILED+=("$name") ;;
+        tp) section tp 90 python3 scripts/gpu/tp_nccl.py ;;
+        *) echo "unknown section $name (engine, graphs, launch, kernels, plan, moe, tp)"; FAILED+=("$name") ;;
     esac
 done
 echo "failed sections: ${FAILED[*]:-none}"
