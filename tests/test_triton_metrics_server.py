@@ -130,8 +130,18 @@ def settled(server: TritonServer, done: Callable[[Scrape], bool], timeout_s: flo
 def test_known_requests_add_up_under_vllm_backend_names(server: TritonServer, tokenizer) -> None:
     before = scrape(server)
     prompts = ["def main(self, value):", "import os", "class Foo", "while True: print", "lambda x"]
-    client = StreamClient(server.grpc_url)
+    # The stream to cancel goes first and is cancelled at its first token, long before its 100th.
     cancelled_client = StreamClient(server.grpc_url)
+    try:
+        cancelled = cancelled_client.send("d", make_inputs(prompts[3], greedy(100, ignore_eos=True), stream=True,
+                                                           return_num_output_tokens=True))
+        deadline = time.monotonic() + 60
+        while not cancelled.texts and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert cancelled.texts, "the stream to cancel never produced a token"
+    finally:
+        cancelled_client.close(cancel=True)
+    client = StreamClient(server.grpc_url)
     try:
         finished = [
             client.send("a", make_inputs(prompts[0], greedy(5, ignore_eos=True), stream=True)),
@@ -142,16 +152,9 @@ def test_known_requests_add_up_under_vllm_backend_names(server: TritonServer, to
             client.send("e", make_inputs(prompts[4], greedy(5, ignore_eos=True, beam_width=3, n=2), stream=False,
                                          return_num_output_tokens=True)),
         ]
-        cancelled = cancelled_client.send("d", make_inputs(prompts[3], greedy(100, ignore_eos=True), stream=True,
-                                                           return_num_output_tokens=True))
         assert all(result.done.wait(120) and result.error is None for result in finished)
-        deadline = time.monotonic() + 60
-        while not cancelled.texts and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert cancelled.texts, "the stream to cancel never produced a token"
     finally:
         client.close()
-        cancelled_client.close(cancel=True)
     received = sum(int(a["num_output_tokens"][0]) for a in cancelled.arrays)
 
     def delta(name: str, **extra: str) -> float:
@@ -168,7 +171,7 @@ def test_known_requests_add_up_under_vllm_backend_names(server: TritonServer, to
     # The counter counts what the engine computed: the beam search's pruned beams too.
     assert delta("vllm:generation_tokens_total") == returned + (1 + 3 * 4) - 2 * 5
     cancelled_tokens = returned - (5 + 3 + 2 * 4 + 2 * 5)
-    assert received <= cancelled_tokens < 100
+    assert received <= cancelled_tokens < 100, (received, cancelled_tokens)
     # One gap per token-producing step after the first: the n=2 request's samples step together, and a
     # beam search produces its tokens in one output at the end.
     assert delta("vllm:time_per_output_token_seconds_count") == (5 - 1) + (3 - 1) + (4 - 1) + (cancelled_tokens - 1)
