@@ -40,7 +40,7 @@ def unified_attention_kernel(
     qk_scale,  # softmax scale * log2(e)
     num_seqs,
     num_heads,
-    tiles_per_split,
+    max_tiles,  # key tiles of the longest context the block table holds; splits share them evenly
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -108,8 +108,10 @@ def unified_attention_kernel(
         tile_lo = 0
         tile_hi = num_tiles
     else:
-        tile_lo = split * tiles_per_split
-        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+        # Split s covers tiles [s * max_tiles // NUM_SPLITS, (s + 1) * max_tiles // NUM_SPLITS): sizes differ by
+        # at most one tile, so no split of the longest sequence is empty while NUM_SPLITS <= max_tiles.
+        tile_lo = split * max_tiles // NUM_SPLITS
+        tile_hi = tl.minimum((split + 1) * max_tiles // NUM_SPLITS, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
@@ -181,7 +183,7 @@ def reduce_splits_kernel(
     m = tl.load(part_max_ptr + part, mask=split_valid, other=float("-inf"))
     l = tl.load(part_sum_ptr + part, mask=split_valid, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], mask=split_valid[:, None], other=0.0)
-    # Split 0 always holds key 0, which every query sees, so the overall max is finite
+    # Some split holds key 0, which every query sees, so the overall max is finite
     # and splits that saw no key (max -inf) get weight exp2(-inf) = 0.
     m_all = tl.reduce(m, 0, _max)
     weight = tl.exp2(m - m_all)
