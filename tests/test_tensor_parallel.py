@@ -76,10 +76,23 @@ def awkward_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_tp2_replicated_kv_head_odd_vocab_and_row_parallel_biases(awkward_model: Path) -> None:
     prompts = random_prompts(seed=3, count=8)
+    # Rank 0 samples from the gathered logits: n > 1, logprobs and stop strings see the whole vocabulary as
+    # at TP=1.
+    sampled = SamplingParams(n=2, temperature=0.0, max_tokens=16, logprobs=3, stop=["e"])
+    with LLM(str(awkward_model), dtype="float32") as single:
+        want = single.generate("def f(x): return x", sampled)[0]
     with LLM(str(awkward_model), dtype="float32", tensor_parallel_size=2) as llm:
         assert llm.engine.model.num_kv_heads == 1  # each rank holds the one KV head
         assert llm.engine.model.layout.vocab_per_rank == 1026
         assert_matches_reference(awkward_model, prompts, generate(llm, prompts))
+        got = llm.generate("def f(x): return x", sampled)[0]
+        with pytest.raises(ValueError, match="prompt_logprobs is not supported with tensor_parallel_size > 1"):
+            llm.generate("x", SamplingParams(prompt_logprobs=1))
+    for mine, theirs in zip(got.outputs, want.outputs, strict=True):
+        assert (mine.token_ids, mine.text, mine.finish_reason) == (theirs.token_ids, theirs.text, theirs.finish_reason)
+        for step, other in zip(mine.logprobs, theirs.logprobs, strict=True):
+            assert step.keys() == other.keys()
+            assert all(abs(step[t] - other[t]) < 1e-4 for t in step)
 
 
 def test_tp_kv_cache_is_per_rank(tiny_model_dir: Callable[[str], Path]) -> None:
