@@ -8,6 +8,7 @@ from typing import Any
 # of `pagedllm.model` do not pay for loading the whole engine.
 _EXPORTS = {
     "LLM": "pagedllm.llm",
+    "LoRARequest": "pagedllm.lora.request",
     "SamplingParams": "pagedllm.sampling_params",
     "StructuredOutputsParams": "pagedllm.structured_outputs_params",
     "RequestOutput": "pagedllm.engine.outputs",

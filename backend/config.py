@@ -58,6 +58,12 @@ class EngineConfig:
     calculate_kv_scales: bool = False
     # Seconds a request's structured_outputs constraint may take to compile before the request fails.
     structured_outputs_compile_timeout_s: float = 10.0
+    # Multi-LoRA (pagedllm.lora): adapters resident at once in the device's slots, their largest rank, and how many
+    # loaded adapters host memory keeps (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", self.dtype, f"one of auto, {', '.join(_DTYPES)}")
@@ -92,6 +98,15 @@ class EngineConfig:
         _require(isinstance(self.structured_outputs_compile_timeout_s, (int, float))
                  and self.structured_outputs_compile_timeout_s > 0, "structured_outputs_compile_timeout_s",
                  self.structured_outputs_compile_timeout_s, "a positive number of seconds")
+        _require(isinstance(self.enable_lora, bool), "enable_lora", self.enable_lora, "true or false")
+        _require(_positive_int(self.max_loras), "max_loras", self.max_loras, "a positive integer")
+        _require(_positive_int(self.max_lora_rank), "max_lora_rank", self.max_lora_rank, "a positive integer")
+        _require(self.max_cpu_loras is None or (_positive_int(self.max_cpu_loras) and self.max_cpu_loras >= self.max_loras),
+                 "max_cpu_loras", self.max_cpu_loras, f"null or an integer >= max_loras={self.max_loras}")
+        _require(not self.enable_lora or self.tensor_parallel_size == 1, "enable_lora", self.enable_lora,
+                 "false with tensor_parallel_size > 1: adapter slot loads are not sent to the other ranks yet")
+        _require(not self.enable_lora or not self.cuda_graphs, "enable_lora", self.enable_lora,
+                 "false with cuda_graphs: the decode graphs do not replay the LoRA segments")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> EngineConfig:
@@ -117,6 +132,10 @@ class EngineConfig:
         if self.torch_device().type == "cpu":
             return torch.float32
         return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _valid_cpu_bind(setting: str) -> bool:

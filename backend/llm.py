@@ -11,6 +11,7 @@ from tqdm import tqdm
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import EngineStats, LLMEngine
 from pagedllm.engine.outputs import FinalOutput, RequestOutput
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 Prompt = str | Mapping[str, Any]
@@ -34,13 +35,19 @@ class LLM:
         prompts: Prompt | Seq[Prompt],
         sampling_params: Params | Seq[Params] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[FinalOutput]:
-        """Complete every prompt; results come back in the prompts' order."""
+        """Complete every prompt; results come back in the prompts' order.
+
+        ``lora_request``: one adapter for every prompt, or one per prompt (``None``: the base model); the engine
+        needs ``enable_lora=True``.
+        """
         prompt_list, params_list = _pair(prompts, sampling_params)
+        lora_list = _lora_per_prompt(lora_request, len(prompt_list))
         request_ids: list[str] = []
         try:
-            for prompt, params in zip(prompt_list, params_list):
-                request_ids.append(self._add(prompt, params))
+            for prompt, params, lora in zip(prompt_list, params_list, lora_list):
+                request_ids.append(self._add(prompt, params, lora))
         except ValueError:
             self._cancel(request_ids)
             raise
@@ -91,12 +98,12 @@ class LLM:
         if live:
             self.engine.step()
 
-    def _add(self, prompt: Prompt, params: SamplingParams) -> str:
+    def _add(self, prompt: Prompt, params: SamplingParams, lora_request: LoRARequest | None = None) -> str:
         request_id = str(next(self._ids))
         if isinstance(prompt, str):
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, lora_request)
         elif isinstance(prompt, Mapping) and set(prompt) == {"prompt_token_ids"}:
-            self.engine.add_request(request_id, list(prompt["prompt_token_ids"]), params)
+            self.engine.add_request(request_id, list(prompt["prompt_token_ids"]), params, lora_request)
         else:
             raise ValueError('each prompt must be a string or {"prompt_token_ids": [...]}')
         return request_id
@@ -113,6 +120,16 @@ def _pair(prompts: Prompt | Seq[Prompt], params: Params | Seq[Params] | None) ->
         if len(params_list) != len(prompt_list):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
     return prompt_list, [_as_params(p) for p in params_list]
+
+
+def _lora_per_prompt(lora_request: LoRARequest | Seq[LoRARequest | None] | None,
+                     num_prompts: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    lora_list = list(lora_request)
+    if len(lora_list) != num_prompts:
+        raise ValueError(f"got {len(lora_list)} lora_requests for {num_prompts} prompts")
+    return lora_list
 
 
 def _as_params(params: Params | None) -> SamplingParams:

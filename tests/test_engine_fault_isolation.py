@@ -98,7 +98,7 @@ def test_forced_prefix_key_collisions_never_reuse_other_tokens(model_dir: Path,
     plain = LLM(model=str(model_dir), dtype="float32", max_model_len=256, enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": prompt(s, 50)} for s in (6, 7, 8)]
     expected = [out.outputs[0].token_ids for out in plain.generate(prompts, GREEDY)]
-    monkeypatch.setattr(kv_cache_manager, "block_key", lambda parent, tokens: b"constant")
+    monkeypatch.setattr(kv_cache_manager, "block_key", lambda parent, tokens, lora_int_id=0: b"constant")
     cached = LLM(model=str(model_dir), dtype="float32", max_model_len=256, enable_prefix_caching=True)
     got = [cached.generate(p, GREEDY)[0].outputs[0].token_ids for p in prompts]
     assert got == expected

@@ -18,8 +18,14 @@ BlockKey = bytes
 _ROOT = b"pagedllm-prefix-v1"
 
 
-def block_key(parent: BlockKey | None, token_ids: Sequence[int]) -> BlockKey:
-    """Key of a full block holding ``token_ids`` after the prefix whose last block has key ``parent``."""
-    digest = hashlib.sha256(_ROOT if parent is None else parent)
+def block_key(parent: BlockKey | None, token_ids: Sequence[int], lora_int_id: int = 0) -> BlockKey:
+    """Key of a full block holding ``token_ids`` after the prefix whose last block has key ``parent``.
+
+    ``lora_int_id``: the adapter the K/V was computed under (0: the base model); it seeds the first block's key,
+    so every key of the chain differs between adapters.
+    """
+    if parent is None:
+        parent = _ROOT if lora_int_id == 0 else _ROOT + b"lora" + lora_int_id.to_bytes(8, "little")
+    digest = hashlib.sha256(parent)
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()

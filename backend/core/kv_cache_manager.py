@@ -84,7 +84,7 @@ class KVCacheManager:
         key: BlockKey | None = None
         for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
             tokens = tuple(seq.token_ids[start : start + self.block_size])
-            key = block_key(key, tokens)
+            key = block_key(key, tokens, seq.request.lora_int_id)
             block = self._cached.get(key)
             parent = (blocks[-1].block_id, blocks[-1].epoch) if blocks else None
             if block is None or block.tokens != tokens or block.parent != parent:
@@ -160,7 +160,7 @@ class KVCacheManager:
         for index in range(len(seq.block_hashes), num_full):
             start = index * self.block_size
             tokens = tuple(seq.token_ids[start : start + self.block_size])
-            key = block_key(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            key = block_key(seq.block_hashes[-1] if seq.block_hashes else None, tokens, seq.request.lora_int_id)
             seq.block_hashes.append(key)
             block = self.blocks[seq.block_ids[index]]
             if block.block_hash is not None or key in self._cached:

@@ -26,6 +26,7 @@ and frees the beams no survivor extends at once.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -88,8 +89,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         stop_policy: StopPolicy,
         static_batching: bool = False,
+        adapter_gate: Callable[[Request, Seq[Sequence]], bool] | None = None,
     ) -> None:
         self.kv = kv
+        # Multi-LoRA: whether a waiting request's adapter holds (or can be given) a device slot this step, given
+        # the running sequences, whose adapters stay put. A request refused here is skipped, not waited on.
+        self.adapter_gate = adapter_gate
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.stop_policy = stop_policy
@@ -238,11 +243,16 @@ class Scheduler:
         # A static batch, once formed, admits nobody until all of it has finished; it
         # keeps forming across steps while only the token budget holds it back.
         self._static_batch_formed = True
+        skipped: list[Sequence] = []  # waiting for an adapter slot: they keep their places in the queue
         while self.waiting:
             if budget == 0:
                 self._static_batch_formed = False
                 break
             seq = self.waiting[0]
+            if self.adapter_gate is not None and not self.adapter_gate(seq.request, self.running):
+                while self.waiting and self.waiting[0].request is seq.request:
+                    skipped.append(self.waiting.popleft())
+                continue
             if seq.request.beam_search is not None:
                 used = self._admit_beams(seq.request, budget, scheduled)
                 if used is None:
@@ -263,6 +273,7 @@ class Scheduler:
             self._reserved_forks += forks
             scheduled.append(ScheduledSequence(seq, num_tokens))
             budget -= num_tokens
+        self.waiting.extendleft(reversed(skipped))
 
     def _schedule_beams(self, index: int, budget: int, scheduled: list[ScheduledSequence],
                         preempted: list[Sequence]) -> tuple[int, int]:

@@ -24,6 +24,8 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.engine.structured_outputs import StructuredOutputs
 from pagedllm.engine.prompt_logprobs import PromptLogprobsCollector
+from pagedllm.lora.manager import LoRAManager
+from pagedllm.lora.request import LoRARequest
 from pagedllm.model_source import resolve_model_dir
 from pagedllm.models import CausalLM, load_model
 from pagedllm.sampling_params import SamplingParams
@@ -107,8 +109,10 @@ class LLMEngine:
             if self.workers is not None:
                 self.workers.send(RunnerSpec(num_blocks, self.max_model_len))
             limits = BatchLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+            self.lora = (LoRAManager(self.model, config.max_loras, config.max_lora_rank,
+                                     config.max_cpu_loras or config.max_loras) if config.enable_lora else None)
             self.runner = ModelRunner(self.model, attention, num_blocks, config.block_size, self.kv_cache_dtype,
-                                      self.device, limits, cuda_graphs=config.cuda_graphs)
+                                      self.device, limits, cuda_graphs=config.cuda_graphs, lora=self.lora)
         except BaseException:
             self.close()
             raise
@@ -117,6 +121,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens,
             StopPolicy(self.max_model_len, self.eos_token_ids), static_batching=config.scheduling == "static",
+            adapter_gate=None if self.lora is None else self.lora.admit,
         )
         self.limits = AdmissionLimits(self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
                                       self.model.vocab_size, num_blocks, config.block_size)
@@ -136,17 +141,24 @@ class LLMEngine:
         self._generation_tokens_total = 0
         collect_young_less_often()
 
-    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams) -> None:
-        """Queue a request; raises ``ValueError`` for input it could never serve."""
+    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Queue a request (through ``lora_request``'s adapter, if given); raises ``ValueError`` for input it could
+        never serve, a bad adapter included."""
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in flight")
         prompt_ids, text = tokenize_prompt(self.tokenizer, prompt, self.model.vocab_size)
         check_request(prompt_ids, params, self.limits)
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"lora_request={lora_request.lora_name!r} needs an engine with enable_lora=true")
+            self.lora.add(lora_request)
         if params.prompt_logprobs is not None:
             if self.model.tp.size > 1:  # the extra logits would be a collective only rank 0 joins
                 raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
             self.prompt_logprobs.track(request_id, tuple(prompt_ids), params.prompt_logprobs)
-        request = Request(request_id, text, tuple(prompt_ids), params)
+        request = Request(request_id, text, tuple(prompt_ids), params,
+                          lora_int_id=0 if lora_request is None else lora_request.lora_int_id)
         seq = request.spawn(list(prompt_ids))
         self._requests[request_id] = request
         if params.structured_outputs is not None:  # scheduled once its grammar has compiled, off the step path

@@ -11,6 +11,7 @@ CUDA graph could capture.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 
 from pagedllm.core.request import Sequence
 from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.lora.mapping import LoRAMapping, build_lora_mapping
 from pagedllm.worker.attention_metadata import AttentionMetadata
 
 
@@ -31,6 +33,7 @@ class StepInputs:
     logits_indices: torch.Tensor  # int64 [num_sampled]: the flat index of each sampled sequence's last token
     # Set when every row decodes one token and samples it: the number of real rows before the padding.
     decode_rows: int | None = None
+    lora: LoRAMapping | None = None  # the step's tokens grouped by adapter slot; None: no adapter token
 
 
 def batch_size_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -41,8 +44,10 @@ def batch_size_buckets(max_num_seqs: int) -> tuple[int, ...]:
 
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
-                 block_size: int, device: torch.device, pad_decodes: bool = False) -> None:
+                 block_size: int, device: torch.device, pad_decodes: bool = False,
+                 lora_slot_of: Callable[[int], int] | None = None) -> None:
         self.block_size = block_size
+        self.lora_slot_of = lora_slot_of  # an adapter's (lora_int_id) device slot; None: LoRA is off
         self.device = device
         self.pad_decodes = pad_decodes
         self.buckets = batch_size_buckets(max_num_seqs)
@@ -138,8 +143,14 @@ class InputBatch:
             max_seq_len=int(seq_lens.max()),
         )
         decode_rows = num_seqs if is_decode and len(completing) == num_seqs else None
+        lora = None
+        if self.lora_slot_of is not None:
+            slot_of = self.lora_slot_of
+            seq_slots = np.fromiter((slot_of(item.seq.request.lora_int_id) for item in scheduled), dtype=np.int64,
+                                    count=num_seqs)
+            lora = build_lora_mapping(seq_slots, query_lens, self.device)
         return StepInputs(put(input_ids, torch.int64), put(positions, torch.int64), attn,
-                          put(logits_indices, torch.int64), decode_rows)
+                          put(logits_indices, torch.int64), decode_rows, lora)
 
     def _sync_row(self, seq: Sequence) -> int:
         """The sequence's table row, with any block ids it gained since the last step written in."""

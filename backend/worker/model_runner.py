@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.lora.manager import LoRAManager
 from pagedllm.worker.attention_backend import AttentionBackend
 from pagedllm.worker.cuda_graphs import DecodeGraphs
 from pagedllm.worker.input_batch import InputBatch, StepInputs
@@ -45,15 +46,18 @@ class ModelRunner:
         device: torch.device,
         limits: BatchLimits,
         cuda_graphs: bool = False,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora
         self.attention = attention
         self.block_size = block_size
         self.device = device
         max_blocks_per_seq = -(-limits.max_model_len // block_size)
         # Graphs replay fixed shapes, so decode batches are padded up to the captured sizes.
         self.input_batch = InputBatch(limits.max_num_seqs, limits.max_num_batched_tokens, max_blocks_per_seq,
-                                      block_size, device, pad_decodes=cuda_graphs)
+                                      block_size, device, pad_decodes=cuda_graphs,
+                                      lora_slot_of=None if lora is None else lora.slot_of)
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [(attention.new_cache(shape, dtype, device), attention.new_cache(shape, dtype, device))
                           for _ in range(model.num_layers)]
@@ -75,6 +79,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor:
         """Forward the step's tokens; returns float32 logits [num_sampled, vocab]."""
+        if self.lora is not None:
+            self.lora.apply_loads()
         inputs = self.prepare(step)
         if self.model.tp.size > 1:
             broadcast_step(inputs, list(step.block_copies), self.device)
@@ -92,6 +98,8 @@ class ModelRunner:
         self.last_hidden = None
         if self.graphs is not None and (logits := self.graphs.replay(inputs)) is not None:
             return logits
+        if self.lora is not None:
+            self.lora.context.mapping = inputs.lora
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.attention.plan(inputs.attn))
         self.last_hidden = hidden
         return self.model.compute_logits(hidden[inputs.logits_indices])

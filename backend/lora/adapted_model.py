@@ -1,0 +1,70 @@
+"""Wrap a loaded ``CausalLM``'s linears with LoRA slots, and copy an adapter into a slot following its TP layout.
+
+q|k|v and gate|up are column-parallel: a rank's ``B`` rows are the same rows of q, k, v (gate, up) that its base
+weight holds, and ``A`` is whole. o_proj and down_proj are row-parallel: a rank's ``A`` columns are its base
+weight's input columns and ``B`` is whole; their LoRA term is added before the layer's all-reduce (the wrapper sits
+inside it), so the ranks' partial products sum to the whole. The rules come from :mod:`pagedllm.parallel.sharding`.
+"""
+from __future__ import annotations
+
+import torch
+
+from pagedllm.lora.adapter import BaseModelShape, LoRAAdapter, LoRAWeights
+from pagedllm.lora.linear import LoRAContext, LoRALinear
+from pagedllm.models import CausalLM
+from pagedllm.parallel.sharding import RowRange
+
+
+def base_model_shape(model: CausalLM) -> BaseModelShape:
+    """The whole (unsharded) shapes an adapter of ``model`` must have."""
+    shape = model.layout.shape
+    hidden = model.hidden_size
+    q, kv, mlp = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, shape.intermediate_size
+    features = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+                "gate_proj": (hidden, mlp), "up_proj": (hidden, mlp), "down_proj": (mlp, hidden)}
+    moe = any(not hasattr(layer.mlp, "gate_up_proj") for layer in model.model.layers)
+    return BaseModelShape(model.num_layers, features, moe)
+
+
+class AdaptedModel:
+    """The model's adapted linears and the step context they read; ``load(slot, adapter)`` fills a slot."""
+
+    def __init__(self, model: CausalLM, max_loras: int, max_rank: int) -> None:
+        self.model = model
+        self.context = LoRAContext()
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        device = model.model.norm.weight.device
+
+        def wrap(base: torch.nn.Module, parts: tuple[int, ...]) -> LoRALinear:
+            return LoRALinear(base, parts, max_loras, max_rank, self.context, dtype, device)
+
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            attn.qkv_proj = wrap(attn.qkv_proj, (attn.q_size, attn.kv_size, attn.kv_size))
+            attn.o_proj = wrap(attn.o_proj, (attn.o_proj.out_features,))
+            mlp = layer.mlp
+            if hasattr(mlp, "gate_up_proj"):  # dense; a mixture of experts takes no adapter
+                mlp.gate_up_proj = wrap(mlp.gate_up_proj, (mlp.intermediate_size, mlp.intermediate_size))
+                mlp.down_proj = wrap(mlp.down_proj, (mlp.down_proj.out_features,))
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        layout = self.model.layout
+        q_rows, kv_rows, mlp_rows = layout.q_rows(), layout.kv_rows(), layout.mlp_rows()
+        for index, layer in enumerate(self.model.model.layers):
+            def column_parallel(module: str, rows: RowRange) -> tuple[torch.Tensor, torch.Tensor] | None:
+                weights = adapter.weights.get((index, module))
+                return None if weights is None else (weights.a, weights.b[rows.start : rows.stop])
+
+            def row_parallel(module: str, columns: RowRange) -> tuple[torch.Tensor, torch.Tensor] | None:
+                weights: LoRAWeights | None = adapter.weights.get((index, module))
+                return None if weights is None else (weights.a[:, columns.start : columns.stop], weights.b)
+
+            attn = layer.self_attn
+            attn.qkv_proj.set_slot(slot, [column_parallel("q_proj", q_rows), column_parallel("k_proj", kv_rows),
+                                          column_parallel("v_proj", kv_rows)], adapter.scale)
+            attn.o_proj.set_slot(slot, [row_parallel("o_proj", layout.o_columns())], adapter.scale)
+            mlp = layer.mlp
+            if isinstance(getattr(mlp, "gate_up_proj", None), LoRALinear):
+                mlp.gate_up_proj.set_slot(slot, [column_parallel("gate_proj", mlp_rows),
+                                                 column_parallel("up_proj", mlp_rows)], adapter.scale)
+                mlp.down_proj.set_slot(slot, [row_parallel("down_proj", layout.down_columns())], adapter.scale)
