@@ -82,3 +82,53 @@ def test_kv_scales_are_measured_once_with_headroom_and_checked() -> None:
         LayerKvScales(float("nan"), 1.0, torch.float8_e4m3fn, torch.device("cpu"), pending=False)
     with pytest.raises(ValueError, match="layers \\[1\\]"):
         make_kv_scales(2, torch.float8_e4m3fn, torch.device("cpu"), {0: (1.0, 1.0)})
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("head_dim", [64, 20], ids=["vector", "scalar-tail"])
+def test_compiled_decode_reads_every_byte_pattern_as_the_format_means_it(dtype: torch.dtype, head_dim: int) -> None:
+    """Every finite 8-bit value, subnormals included, through both of the routine's dequantizing paths."""
+    if load_native_decode() is None:
+        pytest.skip("no C compiler: the compiled decode routine is not built")
+    patterns = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = patterns[torch.isfinite(patterns.view(dtype).float())]
+    num_blocks, block_size = 4, 16
+    count = num_blocks * block_size * head_dim
+    stored = finite.repeat(-(-count // len(finite)))[torch.randperm(count, generator=torch.Generator().manual_seed(1))]
+    k8 = stored.view(dtype).reshape(num_blocks, block_size, 1, head_dim)
+    v8 = stored.flip(0).view(dtype).reshape(num_blocks, block_size, 1, head_dim)
+    q = torch.randn(2, 2, head_dim) * 0.01  # small queries: no single key dominates the softmax
+    query_start_loc, seq_lens = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([64, 37], dtype=torch.int32)
+    block_table = torch.tensor([[3, 1, 0, 2], [2, 0, 1, 3]], dtype=torch.int32)
+    k_scale, v_scale = torch.tensor([0.5]), torch.tensor([0.25])
+    expected = unified_attention_ref(q, k8, v8, query_start_loc, seq_lens, block_table, head_dim ** -0.5,
+                                     k_scale=k_scale, v_scale=v_scale)
+    k_cache = new_cpu_cache(tuple(k8.shape), dtype, torch.device("cpu"))
+    v_cache = new_cpu_cache(tuple(v8.shape), dtype, torch.device("cpu"))
+    k_cache.view(torch.uint8).copy_(k8.view(torch.uint8))
+    v_cache.view(torch.uint8).copy_(v8.view(torch.uint8))
+    backend = torch_backend()
+    metadata = AttentionMetadata(query_start_loc, seq_lens, block_table, torch.zeros(2, dtype=torch.int64), 1, 64)
+    actual = backend.attend(q, k_cache, v_cache, backend.plan(metadata), head_dim ** -0.5, k_scale, v_scale)
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-3)  # values up to 1e4: fp32 sums
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=["e4m3", "e5m2"])
+def test_compiled_write_rounds_every_magnitude_and_tie_as_torch_does(dtype: torch.dtype) -> None:
+    if load_native_decode() is None:
+        pytest.skip("no C compiler: the compiled write is not built")
+    generator = torch.Generator().manual_seed(2)
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    values = values[torch.isfinite(values)].sort().values
+    ties = (values[1:] + values[:-1]) / 2  # exactly halfway: ties go to the even neighbour
+    spread = torch.randn(4096, generator=generator) * torch.exp2(torch.randint(-24, 20, (4096,), generator=generator))
+    rows = torch.cat([values, ties, spread, torch.tensor([1e30, -1e30])])
+    rows = torch.cat([rows, rows.new_zeros(-len(rows) % 32)]).reshape(-1, 1, 32)
+    shape = (rows.shape[0] // 16 + 1, 16, 1, 32)
+    caches = [new_cpu_cache(shape, dtype, torch.device("cpu")) for _ in range(2)]
+    expected = [torch.zeros(shape, dtype=dtype) for _ in range(2)]
+    slots = torch.arange(rows.shape[0])
+    scale = torch.tensor([1.0])
+    torch_backend().write_kv(rows, rows, *caches, slots, scale, scale)
+    write_kv_ref(rows, rows, *expected, slots, scale, scale)
+    assert torch.equal(caches[0].contiguous().view(torch.uint8), expected[0].view(torch.uint8))

@@ -143,12 +143,12 @@ class CpuPagedAttention:
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None) -> None:
-        """:func:`write_kv_cpu`'s contract and shapes; float32 rows into float32 caches go through the compiled
-        routine, which copies each row once from where it lies (e.g. a fused qkv output) instead of two
-        ``index_copy_`` passes."""
-        if (self._native is not None and k_cache.dtype == torch.float32 and _native_fits(key, k_cache, v_cache)
-                and _rows_fit(key, value)):
-            self._native.write_kv(key, value, _head_major(k_cache), _head_major(v_cache), slot_mapping)
+        """:func:`write_kv_cpu`'s contract and shapes; float32 rows go through the compiled routine (quantized
+        there for an 8-bit cache), which copies each row once from where it lies (e.g. a fused qkv output)
+        instead of two ``index_copy_`` passes."""
+        if self._native is not None and _native_fits(key, k_cache, v_cache) and _rows_fit(key, value):
+            self._native.write_kv(key, value, _head_major(k_cache), _head_major(v_cache), slot_mapping,
+                                  _scale_value(k_scale), _scale_value(v_scale))
         else:
             write_kv_cpu(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 

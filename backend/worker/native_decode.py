@@ -42,23 +42,26 @@ class NativeDecode:
                                    i64, ctypes.c_float, i64, ctypes.c_int, pointer, pointer]
         self._function_fp8 = library.pagedllm_paged_decode_fp8
         self._function_fp8.restype = ctypes.c_int
-        self._function_fp8.argtypes = [pointer, pointer, pointer, pointer, ctypes.c_float, ctypes.c_float, pointer,
+        self._function_fp8.argtypes = [pointer, pointer, pointer, ctypes.c_int, ctypes.c_float, ctypes.c_float, pointer,
                                        pointer, i64, pointer, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
                                        ctypes.c_int, pointer, pointer]
-        # What each byte of an 8-bit cache stands for, per format (before the layer's scale).
-        self._byte_tables = {dtype: torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
-                             for dtype in FP8_DTYPES}
         self._write = library.pagedllm_write_kv_f32
         self._write.restype = i64
         self._write.argtypes = [pointer, pointer, i64, pointer, i64, i64, i64, i64, pointer, pointer]
+        self._write_fp8 = library.pagedllm_write_kv_fp8
+        self._write_fp8.restype = i64
+        self._write_fp8.argtypes = [pointer, pointer, i64, pointer, i64, i64, i64, i64, ctypes.c_int, ctypes.c_float,
+                                    ctypes.c_float, pointer, pointer]
 
     def write_kv(
         self,
         key: torch.Tensor,  # float32 [num_tokens, kv_heads, head_dim], heads dense within a row
         value: torch.Tensor,  # the same shape and row stride as key
-        k_cache: torch.Tensor,  # float32 contiguous head-major [kv_heads, num_blocks, block_size, head_dim]
+        k_cache: torch.Tensor,  # float32 or 8-bit, contiguous head-major [kv_heads, num_blocks, block_size, head_dim]
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [num_tokens]; negative = padded token, skipped
+        k_scale: float = 1.0,  # an 8-bit cache's scales: it stores key / k_scale, saturated
+        v_scale: float = 1.0,
     ) -> None:
         kv_heads, num_blocks, block_size, head_dim = k_cache.shape
         # C trusts these sizes: a mismatch would read past the rows or write past the cache.
@@ -70,8 +73,13 @@ class NativeDecode:
                              f"match caches of {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
         slots = slot_mapping.to(torch.int64).contiguous()  # held: the pointer must outlive the call
         num_slots = num_blocks * block_size
-        written = self._write(key.data_ptr(), value.data_ptr(), key.stride(0), slots.data_ptr(), len(slots),
-                              kv_heads, head_dim, num_slots, k_cache.data_ptr(), v_cache.data_ptr())
+        rows = (key.data_ptr(), value.data_ptr(), key.stride(0), slots.data_ptr(), len(slots), kv_heads, head_dim,
+                num_slots)
+        if k_cache.dtype in FP8_DTYPES:
+            written = self._write_fp8(*rows, FP8_DTYPES.index(k_cache.dtype), k_scale, v_scale, k_cache.data_ptr(),
+                                      v_cache.data_ptr())
+        else:
+            written = self._write(*rows, k_cache.data_ptr(), v_cache.data_ptr())
         if written != len(slots):
             raise ValueError(f"slot_mapping holds slot {int(slots[written])}, outside the cache's {num_slots} slots")
 
@@ -97,7 +105,7 @@ class NativeDecode:
                   torch.get_num_threads(), out.data_ptr(), lse.data_ptr())
         if k_cache.dtype in FP8_DTYPES:
             failed = self._function_fp8(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                        self._byte_tables[k_cache.dtype].data_ptr(), k_scale, v_scale, *layout)
+                                        FP8_DTYPES.index(k_cache.dtype), k_scale, v_scale, *layout)
         else:
             failed = self._function(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *layout)
         if failed:

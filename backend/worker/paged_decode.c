@@ -6,9 +6,9 @@
  * block is one contiguous [block_size, head_dim] matrix. A KV head's query heads (its "group")
  * attend together, so each K and V row is loaded once for all of them.
  *
- * float32 queries; the caches are float32, or 8-bit (fp8) read through a 256-entry table of what each byte
- * stands for times the layer's scale, one block at a time into a float scratch block, so that no
- * full-precision copy of a context is ever made. -ffast-math is avoided on purpose: on gcc < 13 it links crtfastmath.o, which
+ * float32 queries; the caches are float32, or 8-bit (fp8 e4m3fn or e5m2) dequantized one block at a time
+ * (times the layer's scale) into a float scratch block, so that no full-precision copy of a context is
+ * ever made. -ffast-math is avoided on purpose: on gcc < 13 it links crtfastmath.o, which
  * flips the whole process to flush-to-zero when the library is loaded. Its exp is therefore
  * spelled out (exp_nonpositive.h), so that the compiler can vectorize it without libmvec.
  */
@@ -18,6 +18,10 @@
 #include <stdlib.h>
 
 #include "exp_nonpositive.h"
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 static inline float dot(const float* restrict a, const float* restrict b, int64_t n) {
     float sum = 0.0f;
@@ -137,16 +141,55 @@ static inline void prefetch_first_blocks(const float* head, const int64_t* block
             prefetch_rows(head + blocks[j] * block_size * head_dim, row, head_dim);
 }
 
-/* An 8-bit cache: one KV head's blocks, and what each byte value stands for (scale included). */
+/* An 8-bit cache: one KV head's blocks, its format and its scale. */
+enum { FP8_E4M3FN = 0, FP8_E5M2 = 1 };
 typedef struct {
     const uint8_t* head;
-    const float* table; /* [256] */
+    int format;
+    float scale;
 } fp8_head;
 
-/* rows x head_dim bytes of an 8-bit block as floats in scratch. */
-static inline const float* dequantize_block(const uint8_t* block, int64_t rows, int64_t head_dim, const float* table,
-                                            float* scratch) {
-    for (int64_t i = 0; i < rows * head_dim; ++i) scratch[i] = table[block[i]];
+/* n bytes of an 8-bit block as floats times scale, in scratch, through float16, which both formats widen
+ * into exactly: e5m2 is float16's upper byte, and e4m3's bits shifted into float16's fields stand for the
+ * value times 2^-8 (the exponent biases differ by 8), subnormals included; the 2^8 goes into the scale.
+ * With AVX-512 sixteen bytes at a time become float16 and then float32 in one instruction (vcvtph2ps);
+ * the rest, and other CPUs, take the same bit arithmetic to float32 directly. NaN encodings are never
+ * written (writes saturate), so they are not special-cased. */
+static inline uint32_t fp8_to_float_bits(uint32_t b, int format) {
+    /* exponent and mantissa fields of each format, rebiased for float32 (bias 127 vs 7 or 15) */
+    const uint32_t sign = (b & 0x80u) << 24;
+    const uint32_t mantissa_bits = format == FP8_E4M3FN ? 3u : 2u;
+    const uint32_t exponent = (b & 0x7Fu) >> mantissa_bits, mantissa = b & ((1u << mantissa_bits) - 1u);
+    const uint32_t normal = sign | ((exponent + (format == FP8_E4M3FN ? 120u : 112u)) << 23)
+                            | (mantissa << (23 - mantissa_bits));
+    /* a subnormal is mantissa x the smallest step, 2^-9 or 2^-16: built as float32 bits of an exact product */
+    float subnormal_value = (float)mantissa * (format == FP8_E4M3FN ? 0x1p-9f : 0x1p-16f);
+    uint32_t subnormal;
+    __builtin_memcpy(&subnormal, &subnormal_value, sizeof subnormal);
+    const uint32_t is_normal = 0u - (uint32_t)(exponent != 0); /* all ones or zero: a select without a branch */
+    return (normal & is_normal) | ((sign | subnormal) & ~is_normal);
+}
+
+static inline const float* dequantize_block(const uint8_t* restrict block, int64_t n, fp8_head fp8,
+                                            float* restrict scratch) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const int e4m3 = fp8.format == FP8_E4M3FN;
+    const __m512 scale16 = _mm512_set1_ps(e4m3 ? fp8.scale * 256.0f : fp8.scale);
+    for (; i + 16 <= n; i += 16) {
+        const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(block + i)));
+        const __m256i half = e4m3 ? _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8),
+                                                    _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x7F)), 7))
+                                  : _mm256_slli_epi16(bytes, 8);
+        _mm512_storeu_ps(scratch + i, _mm512_mul_ps(_mm512_cvtph_ps(half), scale16));
+    }
+#endif
+    for (; i < n; ++i) {
+        const uint32_t bits = fp8_to_float_bits(block[i], fp8.format);
+        float value;
+        __builtin_memcpy(&value, &bits, sizeof value);
+        scratch[i] = value * fp8.scale;
+    }
     return scratch;
 }
 
@@ -155,7 +198,7 @@ static inline __attribute__((always_inline)) const float* block_rows(const float
                                                                      const int64_t* blocks, int64_t j, int64_t rows,
                                                                      int64_t block_numel, int64_t head_dim,
                                                                      float* scratch) {
-    if (k8.head) return dequantize_block(k8.head + blocks[j] * block_numel, rows, head_dim, k8.table, scratch);
+    if (k8.head) return dequantize_block(k8.head + blocks[j] * block_numel, rows * head_dim, k8, scratch);
     return head + blocks[j] * block_numel;
 }
 
@@ -231,7 +274,7 @@ static inline __attribute__((always_inline)) void attend_head(const float* q, in
  * A float32 cache passes k_cache/v_cache and NULL k8/v8; an 8-bit one passes k8/v8 and the byte tables.
  * Returns 0, or 1 when the scratch buffer could not be allocated (out and lse are then undefined). */
 static int paged_decode(const float* q, const float* k_cache, const float* v_cache, const uint8_t* k8,
-                        const uint8_t* v8, const float* k_table, const float* v_table, const int64_t* rows,
+                        const uint8_t* v8, int format, float k_scale, float v_scale, const int64_t* rows,
                         const int64_t* block_table, int64_t table_width, const int64_t* lens, int64_t num_seqs,
                         int64_t kv_heads, int64_t group, int64_t head_dim, int64_t num_blocks, int64_t block_size,
                         float scale, int64_t max_len, int threads, float* out, float* lse) {
@@ -251,8 +294,8 @@ static int paged_decode(const float* q, const float* k_cache, const float* v_cac
             const int64_t offset = rows[seq] * heads + head * group;
             const float* q_head = q + offset * head_dim;
             const float *k_head = k8 ? NULL : k_cache + head * head_numel, *v_head = v8 ? NULL : v_cache + head * head_numel;
-            const fp8_head k_bytes = {k8 ? k8 + head * head_numel : NULL, k_table};
-            const fp8_head v_bytes = {v8 ? v8 + head * head_numel : NULL, v_table};
+            const fp8_head k_bytes = {k8 ? k8 + head * head_numel : NULL, format, k_scale};
+            const fp8_head v_bytes = {v8 ? v8 + head * head_numel : NULL, format, v_scale};
             const int64_t* blocks = block_table + seq * table_width;
             float *out_head = out + offset * head_dim, *lse_head = lse + offset;
             if (head_dim == 64)
@@ -276,24 +319,20 @@ int pagedllm_paged_decode_f32(const float* q, const float* k_cache, const float*
                               int64_t kv_heads, int64_t group, int64_t head_dim, int64_t num_blocks,
                               int64_t block_size, float scale, int64_t max_len, int threads,
                               float* out, float* lse) {
-    return paged_decode(q, k_cache, v_cache, NULL, NULL, NULL, NULL, rows, block_table, table_width, lens, num_seqs,
+    return paged_decode(q, k_cache, v_cache, NULL, NULL, 0, 1.0f, 1.0f, rows, block_table, table_width, lens, num_seqs,
                         kv_heads, group, head_dim, num_blocks, block_size, scale, max_len, threads, out, lse);
 }
 
-/* pagedllm_paged_decode_f32 over 8-bit caches: byte b of the K cache stands for k_table[b] (the format's
- * value of b) times k_scale, and likewise for V. */
-int pagedllm_paged_decode_fp8(const float* q, const uint8_t* k_cache, const uint8_t* v_cache, const float* byte_table,
+/* pagedllm_paged_decode_f32 over 8-bit caches of one format (0: e4m3fn, 1: e5m2): a K byte stands for its
+ * value in the format times k_scale, a V byte times v_scale. */
+int pagedllm_paged_decode_fp8(const float* q, const uint8_t* k_cache, const uint8_t* v_cache, int format,
                               float k_scale, float v_scale, const int64_t* rows, const int64_t* block_table,
                               int64_t table_width, const int64_t* lens, int64_t num_seqs, int64_t kv_heads,
                               int64_t group, int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale,
                               int64_t max_len, int threads, float* out, float* lse) {
-    float k_table[256], v_table[256];
-    for (int b = 0; b < 256; ++b) {
-        k_table[b] = byte_table[b] * k_scale;
-        v_table[b] = byte_table[b] * v_scale;
-    }
-    return paged_decode(q, NULL, NULL, k_cache, v_cache, k_table, v_table, rows, block_table, table_width, lens,
-                        num_seqs, kv_heads, group, head_dim, num_blocks, block_size, scale, max_len, threads, out, lse);
+    return paged_decode(q, NULL, NULL, k_cache, v_cache, format, k_scale, v_scale, rows, block_table, table_width,
+                        lens, num_seqs, kv_heads, group, head_dim, num_blocks, block_size, scale, max_len, threads,
+                        out, lse);
 }
 
 /* The cache's write side: token t's key and value rows (kv_heads x head_dim, rows row_stride floats
@@ -316,6 +355,48 @@ int64_t pagedllm_write_kv_f32(const float* key, const float* value, int64_t row_
             for (int64_t d = 0; d < head_dim; ++d) {
                 k_row[d] = k_new[d];
                 v_row[d] = v_new[d];
+            }
+        }
+    }
+    return num_tokens;
+}
+
+/* x / scale in an 8-bit format (0: e4m3fn, 1: e5m2), as torch's cast does it: saturated at the format's
+ * largest value, rounded to nearest, ties to even. A normal value rounds its float32 mantissa on the
+ * integer bits (a carry moves the exponent); a subnormal one is a whole number of the smallest step. */
+static inline uint8_t float_to_fp8(float x, int format) {
+    const int e4m3 = format == FP8_E4M3FN;
+    const float largest = e4m3 ? 448.0f : 57344.0f;
+    const uint32_t mantissa_bits = e4m3 ? 3u : 2u, drop = 23u - mantissa_bits;
+    x = x > largest ? largest : x < -largest ? -largest : x;
+    uint32_t bits;
+    __builtin_memcpy(&bits, &x, sizeof bits);
+    const uint8_t sign = (uint8_t)((bits >> 24) & 0x80u);
+    const float magnitude = fabsf(x);
+    if (magnitude < (e4m3 ? 0x1p-6f : 0x1p-14f)) /* 2^(1 - bias): below it, steps of 2^(1 - bias - mantissa) */
+        return sign | (uint8_t)nearbyintf(magnitude * (e4m3 ? 0x1p9f : 0x1p16f));
+    uint32_t rounded = bits & 0x7FFFFFFFu;
+    rounded = (rounded + ((1u << (drop - 1)) - 1u) + ((rounded >> drop) & 1u)) >> drop;
+    const uint32_t exponent = (rounded >> mantissa_bits) - 127u + (e4m3 ? 7u : 15u);
+    return sign | (uint8_t)((exponent << mantissa_bits) | (rounded & ((1u << mantissa_bits) - 1u)));
+}
+
+/* pagedllm_write_kv_f32 into 8-bit caches: each value divided by the layer's scale and quantized. */
+int64_t pagedllm_write_kv_fp8(const float* key, const float* value, int64_t row_stride, const int64_t* slots,
+                              int64_t num_tokens, int64_t kv_heads, int64_t head_dim, int64_t num_slots, int format,
+                              float k_scale, float v_scale, uint8_t* k_cache, uint8_t* v_cache) {
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        if (slot >= num_slots) return t;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            uint8_t* k_row = k_cache + (h * num_slots + slot) * head_dim;
+            uint8_t* v_row = v_cache + (h * num_slots + slot) * head_dim;
+            const float* k_new = key + t * row_stride + h * head_dim;
+            const float* v_new = value + t * row_stride + h * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) {
+                k_row[d] = float_to_fp8(k_new[d] / k_scale, format);
+                v_row[d] = float_to_fp8(v_new[d] / v_scale, format);
             }
         }
     }
