@@ -13,17 +13,21 @@
 #            with one it says so and passes)
 #   moe      the fused-MoE Triton kernel against a per-expert loop of torch GEMMs (Mixtral-8x7B and
 #            Qwen3-30B-A3B layer shapes, bf16, 1-2048 tokens): correctness, then median ms of each
+#   fp8      FP8 KV cache kernels against their references (bytes written, attention read), the engine
+#            with kv_cache_dtype=fp8_e4m3 against the CPU backend's tokens, and an FP8-weight
+#            (compressed-tensors) checkpoint's decode against transformers (skipped, saying so, where
+#            the compressed-tensors package is not installed)
 # The sections' programs are in scripts/gpu/. All together took 3.5 minutes on an H200 before `moe`
-# and qwen2_moe were added (the timeouts now sum to 12.3: under a 10-minute limit, run `moe` on its
+# and qwen2_moe were added (the timeouts now sum to 14.8: under a 10-minute limit, run `moe` and `fp8` on their
 # own). Tables go to stdout, JSON results to $OUT (or ./gpu-results). Exit 1 if any section failed.
-# Usage: bash scripts/gpu_check.sh [engine] [graphs] [launch] [kernels] [plan] [moe] [tp]
+# Usage: bash scripts/gpu_check.sh [engine] [graphs] [launch] [kernels] [plan] [moe] [tp] [fp8]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 SECTIONS=("$@")
-[ ${#SECTIONS[@]} -eq 0 ] && SECTIONS=(engine graphs launch kernels plan moe tp)
+[ ${#SECTIONS[@]} -eq 0 ] && SECTIONS=(engine graphs launch kernels plan moe tp fp8)
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/pagedllm-install.log 2>&1 \
     || { cat /tmp/pagedllm-install.log; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -51,7 +55,8 @@ for name in "${SECTIONS[@]}"; do
         plan) section plan 150 bash scripts/gpu/plan_calibration.sh "$OUT" ;;
         moe) section moe 120 python3 scripts/gpu/fused_moe_bench.py "$OUT/fused_moe.json" ;;
         tp) section tp 90 python3 scripts/gpu/tp_nccl.py ;;
-        *) echo "unknown section $name (engine, graphs, launch, kernels, plan, moe, tp)"; FAILED+=("$name") ;;
+        fp8) section fp8 150 python3 scripts/gpu/fp8_check.py ;;
+        *) echo "unknown section $name (engine, graphs, launch, kernels, plan, moe, tp, fp8)"; FAILED+=("$name") ;;
     esac
 done
 echo "failed sections: ${FAILED[*]:-none}"
