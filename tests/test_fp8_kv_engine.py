@@ -10,6 +10,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.planning.kv_math import Deployment, capacity
 from pagedllm.planning.model_catalog import resolve_model
 from pagedllm.planning.gpu_catalog import this_cpu
+from pagedllm.serving.metrics import gauge_values
 from pagedllm.worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -30,6 +31,8 @@ def test_fp8_cache_holds_four_times_the_float32_blocks(tiny_model_dir, arch: str
     assert fp32 == budget_blocks
     assert fp8.stats().num_blocks_total == 4 * fp32
     assert fp8.engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    gauges = gauge_values(fp8.stats())  # what /metrics reports
+    assert gauges["pagedllm:kv_blocks_free"] + gauges["pagedllm:kv_blocks_used"] == 4 * fp32
 
 
 def test_plan_counts_the_engine_s_fp8_blocks(tiny_model_dir) -> None:
