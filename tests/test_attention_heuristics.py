@@ -58,7 +58,8 @@ def test_splits_rise_with_context_and_fall_with_batch(sms: int, heads: int, kv_h
 
 def test_llama_8b_choices_on_an_h200() -> None:
     """The plan spelled out for Llama-3.1-8B (8 KV heads, GQA 4) on 132 SMs: one program per SM at most batches."""
-    choices = {(b, c): decode_plan(b, c, 132, 32, 8, 128)[0] for b in (1, 8, 16, 17, 64, 256) for c in (512, 4096, 131072)}
+    choices = {(b, c): decode_plan(b, c, 132, 32, 8, 128)[0]
+               for b in (1, 8, 16, 17, 64, 256) for c in (512, 4096, 131072)}
     assert choices == {
         (1, 512): 2, (1, 4096): 16, (1, 131072): 17,  # 8 programs: 17 splits fill 132 SMs; 512 keys allow only 2
         (8, 512): 2, (8, 4096): 3, (8, 131072): 3,  # 64 programs x 3 = 192 >= 132 (x 2 = 128 would not fill)

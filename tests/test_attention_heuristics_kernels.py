@@ -78,8 +78,12 @@ FULL_CASES = [(family, group, kv, splits) for family in ALL_FAMILIES
               for group, kv in ((1, 2), (3, 2), (8, 1)) for splits in (None, 2, 5)]
 
 
+def _case_id(value: object) -> str:
+    return f"{value.phase}-d{value.head_bucket}-{value.precision}" if isinstance(value, TileFamily) else str(value)
+
+
 @pytest.mark.parametrize(("family", "group", "num_kv_heads", "num_splits"), FULL_CASES if FULL_MATRIX else DEFAULT_CASES,
-                         ids=lambda v: f"{v.phase}-d{v.head_bucket}-{v.precision}" if isinstance(v, TileFamily) else str(v))
+                         ids=_case_id)
 def test_table_entry_matches_the_reference(family: TileFamily, group: int, num_kv_heads: int,
                                            num_splits: int | None) -> None:
     _run(family, group, num_kv_heads, num_splits, _dtype(family))
