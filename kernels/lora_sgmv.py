@@ -43,7 +43,7 @@ def _segment_matmul_kernel(
     tokens = tl.load(token_indices_ptr + start + offs_m, mask=in_segment, other=0).to(tl.int64)
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)  # tl.zeros is a jit function: not interpretable here
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         in_k = offs_k < K
