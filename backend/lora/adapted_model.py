@@ -9,21 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.lora.adapter import BaseModelShape, LoRAAdapter, LoRAWeights
+from pagedllm.lora.adapter import LoRAAdapter, LoRAWeights, config_model_shape
 from pagedllm.lora.linear import LoRAContext, LoRALinear
 from pagedllm.models import CausalLM
 from pagedllm.parallel.sharding import RowRange
-
-
-def base_model_shape(model: CausalLM) -> BaseModelShape:
-    """The whole (unsharded) shapes an adapter of ``model`` must have."""
-    shape = model.layout.shape
-    hidden = model.hidden_size
-    q, kv, mlp = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, shape.intermediate_size
-    features = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-                "gate_proj": (hidden, mlp), "up_proj": (hidden, mlp), "down_proj": (mlp, hidden)}
-    moe = any(not hasattr(layer.mlp, "gate_up_proj") for layer in model.model.layers)
-    return BaseModelShape(model.num_layers, features, moe)
 
 
 class AdaptedModel:
@@ -34,6 +23,7 @@ class AdaptedModel:
         self.context = LoRAContext()
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         device = model.model.norm.weight.device
+        moe = config_model_shape(model.config).moe
 
         def wrap(base: torch.nn.Module, parts: tuple[int, ...]) -> LoRALinear:
             return LoRALinear(base, parts, max_loras, max_rank, self.context, dtype, device)
@@ -43,7 +33,7 @@ class AdaptedModel:
             attn.qkv_proj = wrap(attn.qkv_proj, (attn.q_size, attn.kv_size, attn.kv_size))
             attn.o_proj = wrap(attn.o_proj, (attn.o_proj.out_features,))
             mlp = layer.mlp
-            if hasattr(mlp, "gate_up_proj"):  # dense; a mixture of experts takes no adapter
+            if not moe:  # adapters of a mixture-of-experts model adapt attention only (pagedllm.lora.adapter)
                 mlp.gate_up_proj = wrap(mlp.gate_up_proj, (mlp.intermediate_size, mlp.intermediate_size))
                 mlp.down_proj = wrap(mlp.down_proj, (mlp.down_proj.out_features,))
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+from transformers import PretrainedConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -57,6 +58,17 @@ class LoRAAdapter:
     @property
     def target_modules(self) -> frozenset[str]:
         return frozenset(module for _, module in self.weights)
+
+
+def config_model_shape(config: PretrainedConfig) -> BaseModelShape:
+    """The whole (unsharded) linear shapes of a Llama-family config, as adapters must match them."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    hidden, mlp = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    features = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+                "gate_proj": (hidden, mlp), "up_proj": (hidden, mlp), "down_proj": (mlp, hidden)}
+    moe = any(hasattr(config, key) for key in ("num_experts", "num_local_experts"))
+    return BaseModelShape(config.num_hidden_layers, features, moe)
 
 
 def load_adapter(name: str, path: str | Path, shape: BaseModelShape, max_lora_rank: int) -> LoRAAdapter:

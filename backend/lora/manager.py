@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from pagedllm.core.request import Request, Sequence
-from pagedllm.lora.adapted_model import AdaptedModel, base_model_shape
+from pagedllm.lora.adapted_model import AdaptedModel
+from pagedllm.lora.adapter import config_model_shape
 from pagedllm.lora.linear import LoRAContext
 from pagedllm.lora.registry import AdapterRegistry
 from pagedllm.lora.request import LoRARequest
@@ -19,7 +20,7 @@ from pagedllm.models import CausalLM
 
 class LoRAManager:
     def __init__(self, model: CausalLM, max_loras: int, max_lora_rank: int, max_cpu_loras: int) -> None:
-        self.registry = AdapterRegistry(base_model_shape(model), max_lora_rank, max_cpu_loras)
+        self.registry = AdapterRegistry(config_model_shape(model.config), max_lora_rank, max_cpu_loras)
         self.slots = AdapterSlots(max_loras)
         self.adapted = AdaptedModel(model, max_loras, max_lora_rank)
 

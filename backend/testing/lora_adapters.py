@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
+from pagedllm.lora.adapter import config_model_shape
+
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -21,11 +23,7 @@ def make_random_adapter(base_dir: Path, out_dir: Path, rank: int, alpha: float, 
                         std: float = 0.05) -> Path:
     """Write an adapter of ``base_dir``'s model with random ``A`` and ``B`` into ``out_dir`` and return it."""
     config = AutoConfig.from_pretrained(base_dir)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    hidden, mlp = config.hidden_size, config.intermediate_size
-    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    features = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-                "gate_proj": (hidden, mlp), "up_proj": (hidden, mlp), "down_proj": (mlp, hidden)}
+    features = config_model_shape(config).features
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(config.num_hidden_layers):
