@@ -13,5 +13,5 @@ def test_structured_bench_tiny_run_writes_every_number(tmp_path: Path) -> None:
     payload = json.loads((tmp_path / "structured.json").read_text())
     assert [step["rows"] for step in payload["steps"]] == [2, 4]
     for step in payload["steps"]:
-        assert step["constrained_ms"] > 0 and step["unconstrained_ms"] > 0
+        assert step["constrained_ms"] > 0 and step["unconstrained_ms"] > 0 and step["grammar_ms"] > 0
     assert payload["compile_ms"]["count"] >= 50 and payload["compile_ms"]["p99"] >= payload["compile_ms"]["p50"]
