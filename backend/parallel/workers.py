@@ -79,6 +79,7 @@ class WorkerGroup:
                THREADS_ENV: str(threads), PARENT_ENV: str(os.getpid()),
                "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self._processes: list[subprocess.Popen[bytes]] = []
+        self._stepping = False  # the workers wait for steps (and so for the stop) once they have a RunnerSpec
         for rank in range(1, size):
             rank_device = _rank_device(device, rank)
             command = [sys.executable, "-c", f"{WORKER_MARKER}; main()"]
@@ -94,6 +95,7 @@ class WorkerGroup:
     def send(self, item: Any) -> None:
         """Hand every worker one object (the load spec, then the runner spec)."""
         dist.broadcast_object_list([item], src=0)
+        self._stepping = isinstance(item, RunnerSpec)
 
     def death(self, wait_s: float = 2.0) -> str | None:
         """How a worker ended, if one has (waiting briefly: its connection closes before it is reaped)."""
@@ -114,8 +116,11 @@ class WorkerGroup:
             raise WorkerDied(f"{cause}; the engine restarts with fresh workers") from error
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the workers (politely, then by force) and leave the group."""
-        if all(process.poll() is None for process in self._processes):
+        """Stop the workers (politely, then by force) and leave the group.
+
+        Only workers in their step loop are told to stop: one still loading waits in another collective,
+        which a stop broadcast would not match (Ctrl-C during a load), so it is killed instead."""
+        if self._stepping and all(process.poll() is None for process in self._processes):
             try:
                 broadcast_stop(self.device)
             except Exception:  # a worker is already gone: the others are killed below
