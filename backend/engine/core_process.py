@@ -40,6 +40,7 @@ from pagedllm.engine.cpu_binding import CpuSplit, bind_engine, pin_process
 from pagedllm.engine.core_wire import decode_outputs, encode_outputs
 from pagedllm.engine.engine_contract import STALLED_RETRY_S, EngineBroken, progress
 from pagedllm.engine.outputs import RequestOutput
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -77,15 +78,19 @@ class EngineCoreProcess:
 
     # ---- EngineLike ----
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        """Queue a request; raises ``ValueError`` for input it could never serve, as ``LLMEngine`` does."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Queue a request; raises ``ValueError`` for input it could never serve, as ``LLMEngine`` does (an
+        adapter's own faults are found in the child, which ends the request with an error)."""
         self._ensure_alive()
         if request_id in self._in_flight:
             raise ValueError(f"request_id={request_id!r} is already in flight")
         limits: AdmissionLimits = self._info["limits"]
         prompt_ids, text = tokenize_prompt(self.tokenizer, prompt, limits.vocab_size)
         check_request(prompt_ids, params, limits)
-        self._send(("add", request_id, prompt_ids, params))
+        if lora_request is not None and not self.config.enable_lora:
+            raise ValueError(f"lora_request={lora_request.lora_name!r} needs an engine with enable_lora=true")
+        self._send(("add", request_id, prompt_ids, params, lora_request))
         self._in_flight.add(request_id)
         self._prompts[request_id] = (text, tuple(prompt_ids))
 
@@ -267,7 +272,7 @@ def _serve(engine: Any, conn: Connection) -> None:
             if message[0] == "stop":
                 return
             if message[0] == "add":
-                error = _add(engine, message[1], message[2], message[3])
+                error = _add(engine, message[1], message[2], message[3], message[4])
                 if error is not None:
                     conn.send(("rejected", message[1], error))
             elif message[0] == "abort":
@@ -290,10 +295,11 @@ def _serve(engine: Any, conn: Connection) -> None:
         conn.send(("step", encode_outputs(outputs), stats))
 
 
-def _add(engine: Any, request_id: str, prompt_ids: list[int], params: SamplingParams) -> str | None:
+def _add(engine: Any, request_id: str, prompt_ids: list[int], params: SamplingParams,
+         lora_request: LoRARequest | None) -> str | None:
     """None, or why the engine refused a request the parent had already checked (it should not)."""
     try:
-        engine.add_request(request_id, prompt_ids, params)
+        engine.add_request(request_id, prompt_ids, params, lora_request)
     except Exception as error:
         log.exception("the engine core refused request %s after the parent admitted it", request_id)
         return f"engine refused the request: {type(error).__name__}: {error}"

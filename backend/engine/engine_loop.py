@@ -47,6 +47,7 @@ from pagedllm.engine.engine_contract import (
 )
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.engine.request_timing import RequestTiming, TimingAccount
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class _Submission:
     tracked: _Tracked
     prompt: str | list[int]
     verdict: Future[None]
+    lora_request: LoRARequest | None = None
 
 
 class EngineLoop:
@@ -132,13 +134,15 @@ class EngineLoop:
         return None
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, on_output: OnOutput, *,
-               on_error: OnError | None = None, is_cancelled: IsCancelled | None = None) -> None:
+               on_error: OnError | None = None, is_cancelled: IsCancelled | None = None,
+               lora_request: LoRARequest | None = None) -> None:
         """Hand a request to the engine; raises the engine's ``ValueError`` for bad input."""
         self.submit_nowait(request_id, prompt, params, on_output, on_error=on_error,
-                           is_cancelled=is_cancelled).result()
+                           is_cancelled=is_cancelled, lora_request=lora_request).result()
 
     def submit_nowait(self, request_id: str, prompt: str | list[int], params: SamplingParams, on_output: OnOutput, *,
-                      on_error: OnError | None = None, is_cancelled: IsCancelled | None = None) -> Future[None]:
+                      on_error: OnError | None = None, is_cancelled: IsCancelled | None = None,
+                      lora_request: LoRARequest | None = None) -> Future[None]:
         """Queue a request; the future resolves once the engine accepted it or fails with its ``ValueError``.
 
         ``on_error(message, kind)`` (if given) replaces the final output when the request
@@ -154,7 +158,7 @@ class EngineLoop:
             reason = self.error
             if reason is not None:
                 raise EngineUnavailable(reason)
-            self._submissions.append(_Submission(tracked, prompt, verdict))
+            self._submissions.append(_Submission(tracked, prompt, verdict, lora_request))
             self._notify()
         return verdict
 
@@ -250,7 +254,11 @@ class EngineLoop:
                 submission.verdict.set_exception(ValueError(f"request_id {tracked.request_id!r} is already in flight"))
                 continue
             try:
-                self.engine.add_request(tracked.request_id, submission.prompt, tracked.params)
+                if submission.lora_request is None:  # engines without LoRA take no such argument
+                    self.engine.add_request(tracked.request_id, submission.prompt, tracked.params)
+                else:
+                    self.engine.add_request(tracked.request_id, submission.prompt, tracked.params,
+                                            lora_request=submission.lora_request)
             except ValueError as error:
                 submission.verdict.set_exception(error)
                 continue
