@@ -241,20 +241,22 @@ class QuantizedWeights:
     dequantized into the compute dtype (and cut to a tensor-parallel rank's rows)."""
 
     def __init__(self, quantization: CheckpointQuantization, dtype: torch.dtype) -> None:
-        if quantization.weights is None:
-            raise ValueError("QuantizedWeights needs a checkpoint with quantized weights")
         self.quantization = quantization
-        self.scheme = quantization.weights
         self.dtype = dtype
 
     @classmethod
     def of_checkpoint(cls, config: Any, dtype: torch.dtype, device: torch.device) -> QuantizedWeights | None:
-        """``None`` for a checkpoint without quantized weights; logs the one line otherwise."""
+        """``None`` for a checkpoint without a quantization config; logs the one line when weights are quantized
+        (a checkpoint may carry KV-cache scales alone)."""
         quantization = checkpoint_quantization(config)
-        if quantization is None or quantization.weights is None:
+        if quantization is None:
             return None
-        log_dequantized(quantization.weights, dtype, device)
+        if quantization.weights is not None:
+            log_dequantized(quantization.weights, dtype, device)
         return cls(quantization, dtype)
+
+    def quantizes(self, name: str) -> bool:
+        return self.quantization.quantizes(name)
 
     def stored_name(self, name: str) -> str:
         """The checkpoint tensor that holds parameter tensor ``name`` (its packed words when packed)."""
@@ -269,6 +271,9 @@ class QuantizedWeights:
         """Weight ``name`` in the compute dtype; ``rows`` (a tensor-parallel rank's share, or ``None``) cuts it as
         the loader would; ``read(tensor name)`` returns a checkpoint tensor or ``None`` when absent."""
         prefix = name.removesuffix("weight")
+        scheme = self.quantization.weights
+        if scheme is None:
+            raise ValueError(f"{name} is not quantized in this checkpoint")
         if self.quantization.packed:
             weight = _unpacked(prefix, read)
         else:
@@ -276,12 +281,12 @@ class QuantizedWeights:
             if weight is None:
                 raise ValueError(f"checkpoint tensor {name} is missing")
         input_scale = read(prefix + INPUT_SCALE)
-        if self.scheme.activations == "static":
+        if scheme.activations == "static":
             if input_scale is None:
                 raise ValueError(f"checkpoint tensor {prefix + INPUT_SCALE} is missing: the activations of "
                                  f"{prefix.rstrip('.')} have static scales")
             check_scale(prefix + INPUT_SCALE, input_scale)
-        full = dequantize_weight(name, weight, read(prefix + WEIGHT_SCALE), self.scheme, self.dtype)
+        full = dequantize_weight(name, weight, read(prefix + WEIGHT_SCALE), scheme, self.dtype)
         return full if rows is None else _rows(full, rows)
 
 
