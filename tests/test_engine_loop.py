@@ -9,7 +9,7 @@ import pytest
 
 from pagedllm.engine.engine_contract import EngineUnavailable, FailureKind
 from pagedllm.engine.engine_loop import EngineLoop
-from pagedllm.engine.request_timing import RequestTiming
+from pagedllm.engine.request_timing import StepTimings
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -383,9 +383,9 @@ def test_stop_is_bounded_when_a_step_hangs() -> None:
 
 def test_on_step_reports_stats_and_finished_request_timings() -> None:
     ticks = iter(range(10_000))
-    reports: list[tuple[object, list[RequestTiming]]] = []
+    reports: list[tuple[object, StepTimings]] = []
     engine = FakeEngine()
-    loop = EngineLoop(engine, on_step=lambda stats, done: reports.append((stats, list(done))),
+    loop = EngineLoop(engine, on_step=lambda stats, step: reports.append((stats, step)),
                       clock=lambda: float(next(ticks))).start()
     try:
         sink = Collector()
@@ -393,8 +393,8 @@ def test_on_step_reports_stats_and_finished_request_timings() -> None:
         assert sink.done.wait(5)
     finally:
         loop.stop()
-    assert reports[0] == (FakeStats(0, 0), [])
-    timings = [t for _, done in reports for t in done]
+    assert reports[0] == (FakeStats(0, 0), StepTimings())
+    timings = [t for _, step in reports for t in step.finished]
     assert len(timings) == 1
     timing = timings[0]
     assert timing.request_id == "r"
@@ -402,8 +402,11 @@ def test_on_step_reports_stats_and_finished_request_timings() -> None:
     assert timing.finish_reasons == ("length", "length")
     assert timing.arrival < timing.first_token < timing.last_token <= timing.finished
     assert timing.time_to_first_token == timing.first_token - timing.arrival
-    assert len(timing.inter_token_latencies) == 3 and timing.n == 2
-    assert sum(timing.inter_token_latencies) == timing.last_token - timing.first_token
+    assert timing.n == 2
+    # Token latencies arrive with the step that saw them: the first token's, then one gap per later step.
+    assert [x for _, step in reports for x in step.first_token_latencies] == [timing.time_to_first_token]
+    gaps = [x for _, step in reports for x in step.inter_token_latencies]
+    assert len(gaps) == 3 and sum(gaps) == timing.last_token - timing.first_token
     assert reports[-1][0] == FakeStats(0, 0)
 
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from pagedllm.engine.request_timing import RequestTiming
+from pagedllm.engine.request_timing import RequestTiming, StepTimings
 from pagedllm.serving.metrics import (
     E2E_BUCKETS,
     TritonMetrics,
@@ -112,9 +112,9 @@ def test_one_two_five_buckets_stop_at_the_limit() -> None:
 def test_counters_follow_cumulative_stats_and_gauges_the_latest_snapshot(families) -> None:
     metrics, created = families
     metrics.record(Stats(num_blocks_free=60, prompt_tokens_total=10, generation_tokens_total=3, num_running=2,
-                         prefix_cache_queried_tokens=8, prefix_cache_hit_tokens=2, num_preemptions=1), [])
+                         prefix_cache_queried_tokens=8, prefix_cache_hit_tokens=2, num_preemptions=1), StepTimings())
     metrics.record(Stats(num_blocks_free=100, prompt_tokens_total=25, generation_tokens_total=9, num_preemptions=1,
-                         prefix_cache_queried_tokens=20, prefix_cache_hit_tokens=10), [])
+                         prefix_cache_queried_tokens=20, prefix_cache_hit_tokens=10), StepTimings())
     metrics.close()
     assert value(created, "vllm:prompt_tokens_total").reading == 25
     assert value(created, "vllm:generation_tokens_total").reading == 9
@@ -126,17 +126,25 @@ def test_counters_follow_cumulative_stats_and_gauges_the_latest_snapshot(familie
     assert value(created, "pagedllm:prefix_cache_hit_rate").reading == 0.5
 
 
-def test_each_finished_request_is_one_observation_and_each_token_gap_one_more(families) -> None:
+def test_token_latencies_are_observed_as_they_happen_and_finished_requests_once(families) -> None:
+    metrics, created = families
+    metrics.record(Stats(), StepTimings(first_token_latencies=[0.5, 0.125]))
+    metrics.record(Stats(), StepTimings(inter_token_latencies=[0.25, 0.75]))
+    metrics.close(timeout_s=10)
+    assert value(created, "vllm:time_to_first_token_seconds").observed == [0.5, 0.125]
+    assert value(created, "vllm:time_per_output_token_seconds").observed == [0.25, 0.75]
+    assert value(created, "vllm:e2e_request_latency_seconds").observed == []
+
+
+def test_each_finished_request_is_one_observation(families) -> None:
     metrics, created = families
     two_samples = RequestTiming("r", arrival=1.0, first_token=1.5, last_token=3.5, finished=4.0, num_prompt_tokens=5,
-                                num_output_tokens=10, num_token_steps=5, finish_reasons=("length", "length"),
-                                inter_token_latencies=(0.25, 0.75, 0.5, 0.5), n=2)
+                                num_output_tokens=10, num_token_steps=5, finish_reasons=("length", "length"), n=2)
     aborted = RequestTiming("a", arrival=2.0, first_token=None, last_token=None, finished=2.25, num_prompt_tokens=7,
                             num_output_tokens=0, num_token_steps=0, finish_reasons=("abort",))
-    metrics.record(Stats(), [two_samples, aborted])
+    metrics.record(Stats(), StepTimings([two_samples, aborted]))
     metrics.close()
-    assert value(created, "vllm:time_to_first_token_seconds").observed == [0.5]
-    assert value(created, "vllm:time_per_output_token_seconds").observed == [0.25, 0.75, 0.5, 0.5]
+    assert value(created, "vllm:time_to_first_token_seconds").observed == []
     assert value(created, "vllm:e2e_request_latency_seconds").observed == [3.0, 0.25]
     assert value(created, "vllm:request_prompt_tokens").observed == [5, 7]
     assert value(created, "vllm:request_generation_tokens").observed == [10, 0]

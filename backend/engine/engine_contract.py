@@ -7,11 +7,11 @@ process) and the tests' fakes all follow ``EngineLike``; servers read
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from pagedllm.engine.outputs import RequestOutput
-from pagedllm.engine.request_timing import RequestTiming
+from pagedllm.engine.request_timing import StepTimings
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -78,5 +78,5 @@ class Interruptible(Protocol):
         ...
 
 
-OnStep = Callable[[object, Sequence[RequestTiming]], None]
+OnStep = Callable[[object, StepTimings], None]
 OnDeath = Callable[[str], None]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -46,7 +46,7 @@ from pagedllm.engine.engine_contract import (
     progress,
 )
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
-from pagedllm.engine.request_timing import RequestTiming, TimingAccount
+from pagedllm.engine.request_timing import StepTimings, TimingAccount
 from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
@@ -77,7 +77,7 @@ class _Submission:
 class EngineLoop:
     """Owns ``engine`` and steps it on a daemon thread; see the module docstring.
 
-    ``on_step(stats, finished_timings)`` runs on the loop thread after every step,
+    ``on_step(stats, step_timings)`` runs on the loop thread after every step,
     once at start and whenever the engine goes idle, with ``engine.stats()``;
     metrics publishers hook in there. ``on_death(reason)`` runs on the dying thread
     if the loop dies, after every request has been failed (a server marks itself
@@ -215,7 +215,7 @@ class EngineLoop:
         self._fail_all("the model is shutting down", FailureKind.UNAVAILABLE)
 
     def _serve(self) -> None:
-        self._publish_stats([])
+        self._publish_stats(StepTimings())
         stalled = False
         idle_published = True
         while True:
@@ -245,7 +245,7 @@ class EngineLoop:
             elif not idle_published:
                 stalled = False
                 idle_published = True
-                self._publish_stats([])  # an idle server shows its freed blocks at once
+                self._publish_stats(StepTimings())  # an idle server shows its freed blocks at once
 
     def _admit(self, submissions: list[_Submission]) -> None:
         for submission in submissions:
@@ -306,15 +306,15 @@ class EngineLoop:
             self._fail_all(f"engine step failed: {error}", FailureKind.ENGINE)
             return True
         now = self._clock()
-        finished: list[RequestTiming] = []
+        timings = StepTimings()
         for output in outputs:
             tracked = self._in_flight.get(output.request_id)
             if tracked is None:
                 continue
-            tracked.timing.record(output, now)
+            tracked.timing.record(output, now, timings)
             if output.finished:
                 del self._in_flight[output.request_id]
-                finished.append(tracked.timing.close(tracked.request_id, tracked.params.n, now))
+                timings.finished.append(tracked.timing.close(tracked.request_id, tracked.params.n, now))
             if output.error is not None:
                 kind = FailureKind.INVALID if output.invalid_input else FailureKind.REQUEST
                 self._fail(tracked, output.error, kind, output)
@@ -323,7 +323,7 @@ class EngineLoop:
                            "(sampling_parameters.timeout)", FailureKind.TIMEOUT, output)
             else:
                 self._deliver(tracked, output)
-        self._publish_stats(finished)
+        self._publish_stats(timings)
         return bool(outputs) or self._progress != before
 
     def _deliver(self, tracked: _Tracked, output: RequestOutput) -> None:
@@ -344,7 +344,7 @@ class EngineLoop:
         except Exception:
             log.exception("on_error callback failed for request %s", tracked.request_id)
 
-    def _publish_stats(self, finished: Sequence[RequestTiming]) -> None:
+    def _publish_stats(self, timings: StepTimings) -> None:
         try:
             stats = self.engine.stats()
         except Exception:
@@ -354,7 +354,7 @@ class EngineLoop:
         if self._on_step is None:
             return
         try:
-            self._on_step(stats, finished)
+            self._on_step(stats, timings)
         except Exception:
             log.exception("on_step callback failed")
 
@@ -377,7 +377,8 @@ class EngineLoop:
             except Exception:
                 log.exception("engine.step failed while draining aborted requests")
                 break
-        self._publish_stats([tracked.timing.close(tracked.request_id, tracked.params.n, now) for tracked in failed])
+        self._publish_stats(StepTimings([tracked.timing.close(tracked.request_id, tracked.params.n, now)
+                                         for tracked in failed]))
 
     def _abandon(self, pending: list[_Submission], reason: str) -> None:
         """After the loop died: fail everything without touching the engine, whose state is suspect."""

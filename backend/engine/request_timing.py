@@ -1,4 +1,4 @@
-"""Wall-clock milestones and token counts of one request, as the engine loop sees them step by step (for metrics)."""
+"""Wall-clock milestones and token counts of requests, as the engine loop sees them step by step (for metrics)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,8 +19,6 @@ class RequestTiming:
     num_output_tokens: int  # over all samples (beam search: of the hypotheses returned)
     num_token_steps: int  # engine steps that produced tokens for this request
     finish_reasons: tuple[str | None, ...]
-    # Between consecutive token-producing steps: the events vLLM observes as inter-token latency.
-    inter_token_latencies: tuple[float, ...] = ()
     n: int = 1  # the request's n: samples (or, with beam search, hypotheses) it asked for
 
     @property
@@ -30,6 +28,19 @@ class RequestTiming:
     @property
     def e2e_latency(self) -> float:
         return self.finished - self.arrival
+
+
+@dataclass(slots=True)
+class StepTimings:
+    """What one engine step tells the metrics: the token latencies it saw, as they happened, and who finished.
+
+    The events vLLM observes: a request's time to first token at the step that produced it, and
+    each later token-producing step's gap since the request's previous one (inter-token latency).
+    """
+
+    finished: list[RequestTiming] = field(default_factory=list)
+    first_token_latencies: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -43,17 +54,17 @@ class TimingAccount:
     num_output_tokens: int = 0
     num_token_steps: int = 0
     finish_reasons: dict[int, str | None] = field(default_factory=dict)  # by sample index
-    inter_token_latencies: list[float] = field(default_factory=list)
 
-    def record(self, output: RequestOutput, now: float) -> None:
-        """One step's output for the request, seen at ``now``."""
+    def record(self, output: RequestOutput, now: float, step: StepTimings) -> None:
+        """One step's output for the request, seen at ``now``; its token latency goes into ``step``."""
         self.num_prompt_tokens = len(output.prompt_token_ids)
         new_tokens = sum(len(delta.token_ids) for delta in output.outputs)
         if new_tokens:
             if self.last_token is None:
                 self.first_token = now
+                step.first_token_latencies.append(now - self.arrival)
             else:
-                self.inter_token_latencies.append(now - self.last_token)
+                step.inter_token_latencies.append(now - self.last_token)
             self.last_token = now
             self.num_output_tokens += new_tokens
             self.num_token_steps += 1
@@ -64,4 +75,4 @@ class TimingAccount:
         reasons = tuple(self.finish_reasons.get(i) for i in range(num_samples))
         return RequestTiming(request_id, self.arrival, self.first_token, self.last_token, now,
                              self.num_prompt_tokens, self.num_output_tokens, self.num_token_steps, reasons,
-                             tuple(self.inter_token_latencies), num_samples)
+                             num_samples)

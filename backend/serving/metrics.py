@@ -11,9 +11,10 @@ and alerts work unchanged:
 - per finished request (a Triton request, whatever its ``n``; cancelled ones included):
   ``vllm:e2e_request_latency_seconds``, ``vllm:request_prompt_tokens``,
   ``vllm:request_generation_tokens`` (over all samples; beam search: the tokens of
-  the hypotheses returned), ``vllm:request_params_n``; ``vllm:time_to_first_token_seconds``
-  once the request produced a token; ``vllm:time_per_output_token_seconds`` once per gap
-  between two token-producing steps of a request (vLLM's inter-token latencies).
+  the hypotheses returned), ``vllm:request_params_n``;
+- as they happen (``StepTimings``): ``vllm:time_to_first_token_seconds`` at a request's
+  first token, ``vllm:time_per_output_token_seconds`` at each later token-producing step,
+  its gap since the request's previous one (vLLM's inter-token latencies).
 
 Our own series, which vllm_backend does not have: counters ``pagedllm:num_preemptions_total``
 and ``pagedllm:engine_restarts_total`` (restarts of this model by ``pagedllm serve``'s
@@ -41,7 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.engine.request_timing import RequestTiming
+from pagedllm.engine.request_timing import StepTimings
 
 log = logging.getLogger(__name__)
 
@@ -145,17 +146,17 @@ def gauge_values(stats: Any) -> dict[str, float]:
     }
 
 
-def request_observations(timing: RequestTiming) -> list[tuple[str, float]]:
-    """The histogram observations one finished request makes, as (series, value)."""
-    observed = [
-        ("vllm:e2e_request_latency_seconds", timing.e2e_latency),
-        ("vllm:request_prompt_tokens", float(timing.num_prompt_tokens)),
-        ("vllm:request_generation_tokens", float(timing.num_output_tokens)),
-        ("vllm:request_params_n", float(timing.n)),
-    ]
-    if timing.time_to_first_token is not None:
-        observed.append(("vllm:time_to_first_token_seconds", timing.time_to_first_token))
-    observed.extend(("vllm:time_per_output_token_seconds", gap) for gap in timing.inter_token_latencies)
+def step_observations(timings: StepTimings) -> list[tuple[str, float]]:
+    """The histogram observations of one engine step, as (series, value)."""
+    observed = [("vllm:time_to_first_token_seconds", latency) for latency in timings.first_token_latencies]
+    observed.extend(("vllm:time_per_output_token_seconds", gap) for gap in timings.inter_token_latencies)
+    for timing in timings.finished:
+        observed += [
+            ("vllm:e2e_request_latency_seconds", timing.e2e_latency),
+            ("vllm:request_prompt_tokens", float(timing.num_prompt_tokens)),
+            ("vllm:request_generation_tokens", float(timing.num_output_tokens)),
+            ("vllm:request_params_n", float(timing.n)),
+        ]
     return observed
 
 
@@ -175,7 +176,7 @@ class TritonMetrics:
         self._interval_s = interval_s
         self._published_counters = dict.fromkeys(_COUNTER_SOURCES, 0)
         self._latest: Any = None
-        self._timings: list[RequestTiming] = []
+        self._observations: list[tuple[str, float]] = []
         self._closing = False
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="pagedllm-metrics", daemon=True)
@@ -193,11 +194,12 @@ class TritonMetrics:
         if missing > 0:
             counter.increment(missing)
 
-    def record(self, stats: Any, finished: Sequence[RequestTiming]) -> None:
-        """Queue a snapshot (cheap; call it from the engine loop's ``on_step``)."""
+    def record(self, stats: Any, timings: StepTimings) -> None:
+        """Queue a snapshot and a step's timings (cheap; call it from the engine loop's ``on_step``)."""
+        observations = step_observations(timings)
         with self._changed:
             self._latest = stats
-            self._timings.extend(finished)
+            self._observations.extend(observations)
             self._changed.notify()
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -210,13 +212,13 @@ class TritonMetrics:
     def _run(self) -> None:
         while True:
             with self._changed:
-                while self._latest is None and not self._timings and not self._closing:
+                while self._latest is None and not self._observations and not self._closing:
                     self._changed.wait()
                 stats, self._latest = self._latest, None
-                timings, self._timings = self._timings, []
+                observations, self._observations = self._observations, []
                 closing = self._closing
             try:
-                self._publish(stats, timings)
+                self._publish(stats, observations)
             except Exception:
                 log.exception("publishing metrics failed")
             if closing:
@@ -224,7 +226,7 @@ class TritonMetrics:
             with self._changed:
                 self._changed.wait_for(lambda: self._closing, timeout=self._interval_s)
 
-    def _publish(self, stats: Any, timings: Sequence[RequestTiming]) -> None:
+    def _publish(self, stats: Any, observations: Sequence[tuple[str, float]]) -> None:
         # Counters first: a scrape that sees a request's histogram entries also sees its tokens.
         if stats is not None:
             for name, source in _COUNTER_SOURCES.items():
@@ -235,6 +237,5 @@ class TritonMetrics:
                     self._published_counters[name] = value
             for name, value in gauge_values(stats).items():
                 self._metrics[name].set(value)
-        for timing in timings:
-            for name, value in request_observations(timing):
-                self._metrics[name].observe(value)
+        for name, value in observations:
+            self._metrics[name].observe(value)
