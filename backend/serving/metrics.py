@@ -176,7 +176,7 @@ class TritonMetrics:
         self._interval_s = interval_s
         self._published_counters = dict.fromkeys(_COUNTER_SOURCES, 0)
         self._latest: Any = None
-        self._observations: list[tuple[str, float]] = []
+        self._steps: list[StepTimings] = []
         self._closing = False
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="pagedllm-metrics", daemon=True)
@@ -196,10 +196,9 @@ class TritonMetrics:
 
     def record(self, stats: Any, timings: StepTimings) -> None:
         """Queue a snapshot and a step's timings (cheap; call it from the engine loop's ``on_step``)."""
-        observations = step_observations(timings)
         with self._changed:
             self._latest = stats
-            self._observations.extend(observations)
+            self._steps.append(timings)
             self._changed.notify()
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -212,13 +211,13 @@ class TritonMetrics:
     def _run(self) -> None:
         while True:
             with self._changed:
-                while self._latest is None and not self._observations and not self._closing:
+                while self._latest is None and not self._steps and not self._closing:
                     self._changed.wait()
                 stats, self._latest = self._latest, None
-                observations, self._observations = self._observations, []
+                steps, self._steps = self._steps, []
                 closing = self._closing
             try:
-                self._publish(stats, observations)
+                self._publish(stats, steps)
             except Exception:
                 log.exception("publishing metrics failed")
             if closing:
@@ -226,7 +225,7 @@ class TritonMetrics:
             with self._changed:
                 self._changed.wait_for(lambda: self._closing, timeout=self._interval_s)
 
-    def _publish(self, stats: Any, observations: Sequence[tuple[str, float]]) -> None:
+    def _publish(self, stats: Any, steps: Sequence[StepTimings]) -> None:
         # Counters first: a scrape that sees a request's histogram entries also sees its tokens.
         if stats is not None:
             for name, source in _COUNTER_SOURCES.items():
@@ -237,5 +236,6 @@ class TritonMetrics:
                     self._published_counters[name] = value
             for name, value in gauge_values(stats).items():
                 self._metrics[name].set(value)
-        for name, value in observations:
-            self._metrics[name].observe(value)
+        for timings in steps:
+            for name, value in step_observations(timings):
+                self._metrics[name].observe(value)
