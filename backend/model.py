@@ -44,11 +44,13 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pagedllm.engine.core_process import EngineCoreProcess
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.llm_engine import DEFAULT_MODEL_DIR, LLMEngine
 from pagedllm.engine.engine_contract import EngineUnavailable, FailureKind
 from pagedllm.engine.engine_loop import EngineLoop
 from pagedllm.engine.gc_tuning import freeze_startup_heap
 from pagedllm.engine.outputs import RequestOutput
+from pagedllm.lora.modules import LoRAModules, served_modules
+from pagedllm.model_source import resolve_model_dir
 from pagedllm.serving.cancellation import CancellationWatcher
 from pagedllm.serving.engine_args import load_engine_config
 from pagedllm.serving.metrics import TritonMetrics, custom_metrics_enabled
@@ -115,6 +117,12 @@ class TritonPythonModel:
         if args.get("model_instance_kind") == "GPU" and engine_config.device == "auto":
             # KIND_GPU instances are placed by Triton: use the GPU it assigned to this instance.
             engine_config = dataclasses.replace(engine_config, device=f"cuda:{args['model_instance_device_id']}")
+        # Adapters named in multi_lora.json, each checked before the engine starts: a bad entry fails the load.
+        self._lora: LoRAModules | None = None
+        if engine_config.enable_lora:
+            model_dir = (resolve_model_dir(engine_config.model, engine_config.revision) if engine_config.model
+                         else DEFAULT_MODEL_DIR)
+            self._lora = served_modules(version_dir, model_dir, engine_config.max_lora_rank)
         self._logger.log_info(f"[pagedllm] starting engine with {engine_config}")
         self._model_name = args["model_name"]
         # The stub's threads and tritonserver's move off the CPUs the engine child binds (engine.cpu_binding,
@@ -185,6 +193,11 @@ class TritonPythonModel:
                 if tensor is not None:
                     inputs[name] = tensor.as_numpy()
             parsed = parse_request(inputs, request.parameters(), max_prompt_bytes=self._max_prompt_bytes)
+            lora_request = None
+            if parsed.lora_name is not None:
+                if self._lora is None:
+                    raise ValueError("lora_name: this model serves no adapters (enable_lora is false in model.json)")
+                lora_request = self._lora.request(parsed.lora_name)
         except ValueError as error:
             self._push(uuid.uuid4().hex, sender, Failure(f"invalid request: {error}", "INVALID_ARG"))
             return
@@ -198,7 +211,7 @@ class TritonPythonModel:
                 request_id, parsed.prompt, parsed.params,
                 on_output=lambda output: self._on_output(stream, output),
                 on_error=lambda message, kind: self._on_request_error(stream, message, kind),
-                is_cancelled=is_cancelled,
+                is_cancelled=is_cancelled, lora_request=lora_request,
             )
         except EngineUnavailable as error:
             self._end_with_error(stream, f"model unavailable: {error}", "UNAVAILABLE")

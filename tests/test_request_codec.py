@@ -124,6 +124,7 @@ def test_every_declared_input_is_accepted() -> None:
     inputs = {name: flag(False) for name in INPUT_NAMES}
     inputs["text_input"] = text("Hi")
     inputs["sampling_parameters"] = text("{}")
+    inputs["lora_name"] = text("")
     assert parse_request(inputs).prompt == "Hi"
 
 

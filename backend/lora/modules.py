@@ -110,3 +110,14 @@ def parse_lora_modules(items: list[str]) -> dict[str, str]:
         paths[name] = str(Path(path).resolve())
     return paths
 
+
+
+def served_modules(version_dir: Path, model_dir: Path, max_lora_rank: int) -> LoRAModules:
+    """A served model's ``multi_lora.json`` (beside its ``model.json``), every entry checked against the base model:
+    ``ValueError`` naming the file and the entry that fails, so a bad entry fails the model's load."""
+    file = Path(version_dir) / MULTI_LORA_FILE
+    if not file.is_file():
+        raise ValueError(f"{file}: enable_lora is true but {MULTI_LORA_FILE} (adapter names to folders) is missing")
+    modules = LoRAModules.from_file(file)
+    modules.check(model_dir, max_lora_rank)
+    return modules

@@ -29,6 +29,9 @@ Decisions where vllm_backend is loose:
 * ``structured_outputs`` (vLLM's keys: ``json``, ``regex``, ``choice``, ``grammar``,
   ``json_object``; a schema as a nested object or as JSON text; the whole object may
   also come as JSON text) or, by vLLM's older name, ``guided_decoding``.
+* a LoRA adapter is named as vllm_backend names it, ``lora_name`` among the sampling
+  parameters, or by the optional ``lora_name`` input (one of the two; empty: none). The
+  model resolves the name against its ``multi_lora.json``.
 """
 from __future__ import annotations
 
@@ -56,6 +59,7 @@ INPUT_SPECS: tuple[dict[str, Any], ...] = (
     {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
     {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
     *({"name": name, "data_type": "TYPE_BOOL", "dims": [1], "optional": True} for name in BOOL_INPUTS[1:]),
+    {"name": "lora_name", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
 )
 OUTPUT_SPECS: tuple[dict[str, Any], ...] = (
     {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
@@ -95,6 +99,7 @@ class GenerateRequest:
     # asked, so a request for cumulative_logprob alone runs with logprobs=0, which must not make
     # the logprobs output appear.
     logprobs_requested: bool = True
+    lora_name: str | None = None  # the adapter the client named (multi-LoRA); None: the base model
 
 
 def parse_request(inputs: Mapping[str, np.ndarray], parameters_json: str | None = None, *,
@@ -112,20 +117,35 @@ def parse_request(inputs: Mapping[str, np.ndarray], parameters_json: str | None 
     if stream and exclude_input is False:
         raise ValueError("exclude_input_in_output: must be true when stream is true (a stream sends only new text)")
     if "sampling_parameters" in inputs:
-        params = parse_sampling_parameters(_text("sampling_parameters", _single(inputs, "sampling_parameters")),
-                                           "sampling_parameters")
+        field, values = "sampling_parameters", _json_object(
+            _text("sampling_parameters", _single(inputs, "sampling_parameters")), "sampling_parameters")
     else:
-        params = parse_sampling_parameters(parameters_json or "{}", "parameters")
+        field, values = "parameters", _json_object(parameters_json or "{}", "parameters")
+    lora_name = _lora_name(inputs, values.pop("lora_name", None), field)
+    params = _sampling_params(values, field)
     returns = ReturnFlags(*(flags.get(name, False) for name in RETURN_FLAGS))
     requested = params.logprobs is not None
     if returns.cumulative_logprob and not requested and not params.use_beam_search:
         params = replace(params, logprobs=0)  # the sampled tokens' logprobs, which the sum needs
     return GenerateRequest(prompt, params, stream, prepend_input=not stream and not exclude_input, returns=returns,
-                           logprobs_requested=requested)
+                           logprobs_requested=requested, lora_name=lora_name)
 
 
 def parse_sampling_parameters(text: str, field: str) -> SamplingParams:
     """Build ``SamplingParams`` from a JSON object whose values may be strings (as genai-perf sends them)."""
+    return _sampling_params(_json_object(text, field), field)
+
+
+def _lora_name(inputs: Mapping[str, np.ndarray], in_parameters: Any, field: str) -> str | None:
+    if in_parameters is not None and not isinstance(in_parameters, str):
+        raise ValueError(f"{field}: lora_name must be a string, got {type(in_parameters).__name__}")
+    from_input = _text("lora_name", _single(inputs, "lora_name")) if "lora_name" in inputs else None
+    if in_parameters and from_input:
+        raise ValueError(f"lora_name: give it as the lora_name input or in {field}, not both")
+    return in_parameters or from_input or None
+
+
+def _json_object(text: str, field: str) -> dict[str, Any]:
     try:
         values = json.loads(text)
     except json.JSONDecodeError as error:
@@ -134,6 +154,10 @@ def parse_sampling_parameters(text: str, field: str) -> SamplingParams:
         raise ValueError(f"{field}: JSON nested too deeply") from None
     if not isinstance(values, dict):
         raise ValueError(f"{field}: must be a JSON object, got {type(values).__name__}")
+    return values
+
+
+def _sampling_params(values: dict[str, Any], field: str) -> SamplingParams:
     values = {key: value for key, value in values.items() if value is not None}
     if "guided_decoding" in values:  # vLLM's older name for the same object
         if "structured_outputs" in values:
