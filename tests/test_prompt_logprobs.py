@@ -1,13 +1,15 @@
 """SamplingParams.prompt_logprobs against transformers' log-softmax of the same checkpoint (float32)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.core_wire import decode_outputs, encode_outputs
-from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 
 PROMPT = "import os\nimport sys\n\ndef main(argv):\n    for name in argv:\n        print(os.path.join(name))\n" * 2
 
@@ -61,3 +63,22 @@ def test_prompt_logprobs_cross_the_engine_process_wire() -> None:
     output = RequestOutput("r", None, (1, 2), (), True, None, [None, {2: -0.5, 7: -0.1}])
     (received,) = decode_outputs(encode_outputs([output]), {"r": ("p", (1, 2))})
     assert received.prompt_logprobs == [None, {2: -0.5, 7: -0.1}]
+
+
+def test_the_triton_response_carries_prompt_logprobs_once() -> None:
+    from pagedllm.serving.request_codec import GenerateRequest, ReturnFlags
+    from pagedllm.serving.response_codec import ResponseAssembler, merge_tensors
+
+    request = GenerateRequest("p", SamplingParams(prompt_logprobs=1), stream=True, prepend_input=False,
+                              returns=ReturnFlags())
+    assembler = ResponseAssembler(request, decode_token=lambda token: f"<{token}>")
+    first = assembler.add(RequestOutput("r", "p", (4, 5), (CompletionDelta(0, "a", (9,), None, None, None),), False,
+                                        None, [None, {5: -0.25, 8: -0.1}]))
+    second = assembler.add(RequestOutput("r", "p", (4, 5), (CompletionDelta(0, "b", (9,), None, None, "length"),),
+                                         True, None))
+    assert "prompt_logprobs" not in second
+    entries = json.loads(first["prompt_logprobs"][0])
+    assert entries[0] == {"4": {"logprob": None, "rank": None, "decoded_token": "<4>"}}
+    assert list(entries[1]) == ["5", "8"]  # the prompt's own token first, then the top-k by rank
+    assert entries[1]["5"] == {"logprob": -0.25, "rank": 2, "decoded_token": "<5>"}
+    assert merge_tensors([first, second])["prompt_logprobs"][0] == first["prompt_logprobs"][0]
