@@ -102,3 +102,8 @@ def test_a_reply_cut_by_max_tokens_stays_content() -> None:
     (choice,) = builder.response()["choices"]
     assert choice["finish_reason"] == "length" and choice["message"]["content"] == '[{"name": "get_wea'
     assert "tool_calls" not in choice["message"]
+
+
+def test_without_a_parser_tools_default_to_none_and_auto_is_refused() -> None:
+    assert tool_calling(TOOLS, None, None, None) is None
+    assert tool_calling(TOOLS, None, tool_call_parser("hermes"), None).mode == "auto"

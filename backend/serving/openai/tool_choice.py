@@ -1,13 +1,14 @@
 """How a chat request's ``tools`` and ``tool_choice`` shape its generation and its reply.
 
-* ``"none"`` (the default without tools): plain content; the tools still reach the chat template.
+* ``"none"`` (the default without tools, or without a ``--tool-call-parser``): plain content; the
+  tools still reach the chat template.
 * a named function: the output is constrained to that function's parameter schema and
   the whole reply is its arguments;
 * ``"required"``: the output is constrained to a JSON list of one or more
   ``{"name", "arguments"}`` calls of the given tools (one, with ``parallel_tool_calls: false``),
   so the arguments always match their function's schema;
-* ``"auto"`` (the default with tools): the model writes what it likes, and the server's
-  ``--tool-call-parser`` reads its family's tool-call text out of the reply.
+* ``"auto"`` (the default with tools on a server with a ``--tool-call-parser``): the model writes
+  what it likes, and that parser reads its family's tool-call text out of the reply.
 
 A reply holding calls finishes with ``finish_reason: "tool_calls"``.
 """
@@ -84,7 +85,7 @@ def tool_calling(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str
         if tool_choice not in (None, "none"):
             raise ValueError("tool_choice: needs tools")
         return None
-    choice = "auto" if tool_choice is None else tool_choice
+    choice = ("none" if parser is None else "auto") if tool_choice is None else tool_choice
     if choice == "none":
         return None
     if choice == "auto":
