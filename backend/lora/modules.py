@@ -24,12 +24,12 @@ MULTI_LORA_FILE = "multi_lora.json"
 class LoRAModules:
     def __init__(self, paths: dict[str, str], file: Path | None = None) -> None:
         self.file = file
-        self._mtime: float | None = None
+        self._stamp: tuple[int, int] | None = None
         self._ids: dict[tuple[str, str], int] = {}
         self._paths: dict[str, str] = {}
         self._set(paths)
         if file is not None:
-            self._mtime = file.stat().st_mtime if file.exists() else None
+            self._stamp = _stamp(file)
 
     @classmethod
     def from_file(cls, file: Path) -> LoRAModules:
@@ -49,14 +49,14 @@ class LoRAModules:
         return LoRARequest(name, self._ids[(name, path)], path)
 
     def refresh(self) -> None:
-        """Read the file again if it changed since the last read (a broken rewrite keeps the last good table)."""
+        """Read the file again if it changed since the last read (rewrites replace it: a new inode)."""
         if self.file is None:
             return
-        mtime = self.file.stat().st_mtime if self.file.exists() else None
-        if mtime == self._mtime:
+        stamp = _stamp(self.file)
+        if stamp == self._stamp:
             return
-        self._mtime = mtime
-        self._set(read_multi_lora(self.file) if mtime is not None else {})
+        self._stamp = stamp
+        self._set(read_multi_lora(self.file) if stamp is not None else {})
 
     def check(self, model_dir: Path, max_lora_rank: int) -> None:
         """Load every adapter against the base model's shapes; ``ValueError`` naming the first bad entry."""
@@ -72,6 +72,14 @@ class LoRAModules:
         for name, path in paths.items():
             self._ids.setdefault((name, path), len(self._ids) + 1)
         self._paths = dict(paths)
+
+
+def _stamp(file: Path) -> tuple[int, int] | None:
+    try:
+        status = file.stat()
+    except FileNotFoundError:
+        return None
+    return status.st_ino, status.st_mtime_ns
 
 
 def read_multi_lora(file: Path) -> dict[str, str]:
@@ -110,6 +118,15 @@ def parse_lora_modules(items: list[str]) -> dict[str, str]:
         paths[name] = str(Path(path).resolve())
     return paths
 
+
+
+def adapter_rank(path: str) -> int:
+    """The ``r`` an adapter folder's config declares, 0 when it cannot be read (its full check says why)."""
+    try:
+        rank = json.loads((Path(path) / "adapter_config.json").read_text()).get("r")
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return rank if isinstance(rank, int) else 0
 
 
 def served_modules(version_dir: Path, model_dir: Path, max_lora_rank: int) -> LoRAModules:

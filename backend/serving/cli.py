@@ -87,6 +87,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "Triton (a real engine step), else 503 with the reason; for liveness probes")
     parser.add_argument("--openai-port", type=int, default=None,
                         help="also serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions) on this port")
+    parser.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                        help="with --model: serve these PEFT LoRA adapters (multi_lora.json; enable_lora is set); "
+                             "each is an OpenAI model of its own and a Triton lora_name")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="with --openai-port: accept POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                             "(off by default: they read adapter folders on the server)")
     parser.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                         help="with --openai-port: read the model family's tool-call text out of replies to "
                              'tool_choice "auto" (hermes: Qwen2.5/Qwen3 <tool_call>; llama3_json: Llama 3.1+)')
@@ -116,8 +122,10 @@ def _serve(args: argparse.Namespace, scratch: Path | None, supervision: Path) ->
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{flag} must be a port number in [0, 65535], got {port}")
         supervision.mkdir(parents=True, exist_ok=True)  # a caller-named folder may not exist yet
-        if not args.model and (args.engine_arg or args.served_model_name):
-            raise ValueError("--engine-arg and --served-model-name go with --model")
+        if not args.model and (args.engine_arg or args.served_model_name or args.lora_modules):
+            raise ValueError("--engine-arg, --served-model-name and --lora-modules go with --model")
+        if args.allow_runtime_lora_updating and args.openai_port is None:
+            raise ValueError("--allow-runtime-lora-updating goes with --openai-port")
         repository = generated_repository(args, scratch) if scratch else args.model_repository or bundled_model_repository()
         openai_models = _openai_models(args, repository) if args.openai_port is not None else None
     except (ValueError, OSError) as error:
@@ -215,6 +223,8 @@ def generated_repository(args: argparse.Namespace, root: Path) -> Path:
     """``--model`` and ``--engine-arg``s as a one-model repository (``llm``) in ``root``, validated."""
     if args.model_repository is not None:
         raise ValueError("--model and --model-repository exclude each other: pass one")
+    from pagedllm.lora.modules import (MULTI_LORA_FILE, adapter_rank, parse_lora_modules, served_modules,
+                                       write_multi_lora)
     from pagedllm.model_source import resolve_model_dir
 
     engine_args = parse_engine_args(args.engine_arg)
@@ -222,8 +232,15 @@ def generated_repository(args: argparse.Namespace, root: Path) -> Path:
         raise ValueError("--engine-arg model=...: pass the model with --model")
     revision = engine_args.get("revision")
     model_dir = resolve_model_dir(args.model, revision if isinstance(revision, str) else None)
+    adapters = parse_lora_modules(args.lora_modules)
+    if adapters or args.allow_runtime_lora_updating:
+        engine_args.setdefault("enable_lora", True)
+        engine_args.setdefault("max_lora_rank", max([16, *(adapter_rank(path) for path in adapters.values())]))
     repository = write_example_repository(root, {**engine_args, "model": str(model_dir.resolve())})
-    load_engine_config(repository / "llm" / "1")  # a bad key or value fails here, before tritonserver starts
+    config = load_engine_config(repository / "llm" / "1")  # a bad key or value fails here, before tritonserver starts
+    if config.enable_lora:  # so does a bad adapter
+        write_multi_lora(repository / "llm" / "1" / MULTI_LORA_FILE, adapters)
+        served_modules(repository / "llm" / "1", model_dir, config.max_lora_rank)
     return repository
 
 
@@ -245,19 +262,29 @@ def _openai_models(args: argparse.Namespace, repository: Path) -> list[ServedMod
     """The repository's models under their folder names; with ``--model``, under the name clients know it by."""
     from pagedllm.serving.openai.served_models import repository_models
 
+    from pagedllm.serving.openai.lora_adapters import adapter_models, lora_bases
+
     models = repository_models(repository)
     if args.model:
-        return [dataclasses.replace(model, name=args.served_model_name or args.model) for model in models]
-    return models
+        models = [dataclasses.replace(model, name=args.served_model_name or args.model) for model in models]
+    return models + adapter_models(lora_bases(repository, models))
 
 
 def _start_openai(args: argparse.Namespace, server: TritonServer, models: list[ServedModel]) -> OpenAIServer:
     """The OpenAI server, talking to tritonserver's gRPC port; raises ``RuntimeError`` if it cannot start."""
     from pagedllm.serving.openai.http_server import OpenAIServer
 
+    from pagedllm.serving.openai.lora_adapters import lora_bases
+
     grpc_url = f"127.0.0.1:{server.grpc_port}" if args.host in ("0.0.0.0", "::") else server.grpc_url
+    runtime_lora = None
+    if args.allow_runtime_lora_updating:
+        bases = lora_bases(server.model_repository, [model for model in models if model.lora_name is None])
+        if not bases:
+            raise RuntimeError("--allow-runtime-lora-updating: no served model has enable_lora in its model.json")
+        runtime_lora = bases[0]
     return OpenAIServer(grpc_url, models, host=args.host, port=args.openai_port,
-                        tool_call_parser=args.tool_call_parser).start()
+                        tool_call_parser=args.tool_call_parser, runtime_lora=runtime_lora).start()
 
 
 def add_install_backend_arguments(parser: argparse.ArgumentParser) -> None:

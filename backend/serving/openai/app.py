@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.serving.openai.errors import OpenAIError, bad_request, validation_error
+from pagedllm.serving.openai.lora_adapters import LoRABase, RuntimeAdapters, add_runtime_lora_routes
 from pagedllm.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.serving.openai.responses import ResponseBuilder
 from pagedllm.serving.openai.served_models import ServedModel
@@ -30,9 +31,12 @@ from pagedllm.serving.openai.triton_bridge import GenerateResponse, TritonBridge
 T = TypeVar("T")
 
 
-def build_app(grpc_url: str, models: Sequence[ServedModel], tool_call_parser_name: str | None = None) -> FastAPI:
+def build_app(grpc_url: str, models: Sequence[ServedModel], tool_call_parser_name: str | None = None,
+              runtime_lora: LoRABase | None = None) -> FastAPI:
     """The FastAPI app serving ``models`` through the tritonserver at ``grpc_url``; ``tool_call_parser_name``
-    reads tool calls out of replies to ``tool_choice: "auto"`` (``pagedllm.serving.openai.tool_parsers``)."""
+    reads tool calls out of replies to ``tool_choice: "auto"`` (``pagedllm.serving.openai.tool_parsers``);
+    ``runtime_lora``: the base whose adapters ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` change
+    (``None``: those routes do not exist)."""
     by_name = {model.name: model for model in models}
     parser = None if tool_call_parser_name is None else tool_call_parser(tool_call_parser_name)
     bridge: TritonBridge | None = None
@@ -68,7 +72,10 @@ def build_app(grpc_url: str, models: Sequence[ServedModel], tool_call_parser_nam
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [
             {"id": m.name, "object": "model", "created": 0, "owned_by": "pagedllm", "root": m.triton_model}
-            for m in models]}
+            for m in list(by_name.values())]}
+
+    if runtime_lora is not None:
+        add_runtime_lora_routes(app, RuntimeAdapters(runtime_lora, by_name))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -134,6 +141,8 @@ def _bridge(bridge: TritonBridge | None) -> TritonBridge:
 
 async def _answer(request: Request, bridge: TritonBridge, model: ServedModel, prompt: str, sampling: dict[str, Any],
                   builder: ResponseBuilder, stream: bool, include_usage: bool) -> Response:
+    if model.lora_name is not None:  # an adapter: its base's Triton model, as vllm_backend names adapters
+        sampling = {**sampling, "lora_name": model.lora_name}
     responses = bridge.generate(model.triton_model, prompt, sampling, stream=stream)
     if not stream:
         async def collect() -> dict[str, Any]:

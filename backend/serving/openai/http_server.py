@@ -14,6 +14,7 @@ from types import TracebackType
 import uvicorn
 
 from pagedllm.serving.openai.app import build_app
+from pagedllm.serving.openai.lora_adapters import LoRABase
 from pagedllm.serving.openai.served_models import ServedModel
 
 
@@ -21,11 +22,12 @@ class OpenAIServer:
     """``start()`` returns once the port accepts connections; ``stop()`` is idempotent."""
 
     def __init__(self, grpc_url: str, models: Sequence[ServedModel], *, host: str = "127.0.0.1", port: int = 9000,
-                 startup_timeout_s: float = 60.0, tool_call_parser: str | None = None) -> None:
+                 startup_timeout_s: float = 60.0, tool_call_parser: str | None = None,
+                 runtime_lora: LoRABase | None = None) -> None:
         self.host = host
         self.port = port
-        config = uvicorn.Config(build_app(grpc_url, models, tool_call_parser), host=host, port=port, log_level="warning",
-                                access_log=False, timeout_graceful_shutdown=5)
+        config = uvicorn.Config(build_app(grpc_url, models, tool_call_parser, runtime_lora), host=host, port=port,
+                                log_level="warning", access_log=False, timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="openai-http", daemon=True)
         self._startup_timeout_s = startup_timeout_s

@@ -26,6 +26,7 @@ class ServedModel:
     triton_model: str  # the model's name in the Triton repository
     tokenizer: PreTrainedTokenizerBase
     max_model_len: int
+    lora_name: str | None = None  # an adapter of triton_model (multi_lora.json), sent as sampling lora_name
 
     @classmethod
     def load(cls, name: str, triton_model: str, model_dir: Path, tokenizer_dir: Path | None = None,
