@@ -1,10 +1,12 @@
-"""Structured outputs and tool calling through the official ``openai`` client against a real
-``pagedllm serve --openai-port --tool-call-parser hermes``.
+"""Structured outputs and tool calling through a real ``pagedllm serve --openai-port --tool-call-parser hermes``.
 
 One server for the module, on the tiny llama with a Hermes-style chat template written
-here: ``response_format`` with a pydantic model (``chat.completions.parse``), json_schema
-and json_object, vLLM's extra-body keys, tools with ``tool_choice`` required, named, auto
-and none, streaming and not, and a schema xgrammar rejects as a 400 naming the field.
+here. The official ``openai`` client: ``response_format`` with a pydantic model
+(``chat.completions.parse``), json_schema and json_object, vLLM's extra-body keys, tools
+with ``tool_choice`` required, named, auto and none, streaming and not, and a schema
+xgrammar rejects as a 400 naming the field. tritonclient gRPC streaming on the same
+server: the offline outputs for each way ``sampling_parameters`` takes a constraint, and
+INVALID_ARG naming ``structured_outputs`` for a bad one.
 """
 from __future__ import annotations
 
@@ -18,17 +20,23 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from dataclasses import dataclass
+
 import jsonschema
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
+grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from pydantic import BaseModel, Field  # noqa: E402
 
 from transformers import AutoTokenizer  # noqa: E402
 
+from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.serving.server import free_port  # noqa: E402
 from pagedllm.testing.hub_cache import add_to_hub_cache  # noqa: E402
+from pagedllm.testing.structured_corpus import ARITHMETIC_EBNF, JSON_SCHEMAS, REGEXES  # noqa: E402
 from test_openai_server import REPO_ID, SERVED_NAME, Serve  # noqa: E402
 
 pytestmark = pytest.mark.tritonserver
@@ -58,6 +66,13 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "get_time", "parameters": {
              "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+ENGINE_ARGS = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 160, "max_model_len": 1024}
+TRITON_MODEL = "llm"  # what pagedllm serve --model names the model in its generated repository
+
+
+@dataclass
+class StructuredServe(Serve):
+    grpc_url: str = ""
 
 
 @pytest.fixture(scope="module")
@@ -68,19 +83,20 @@ def checkpoint(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.T
 
 
 @pytest.fixture(scope="module")
-def serve(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+def serve(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[StructuredServe]:
     hf_home = checkpoint.parents[3]
     tmpdir = tmp_path_factory.mktemp("serve-tmp")
     grpc, http, metrics, port = free_port(), free_port(), free_port(), free_port()
     env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmpdir), "OMP_NUM_THREADS": "1"}
     env.pop("HF_HUB_CACHE", None)
+    engine_args = [part for key, value in ENGINE_ARGS.items() for part in ("--engine-arg", f"{key}={value}")]
     command = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", REPO_ID, "--served-model-name", SERVED_NAME,
-               "--engine-arg", "dtype=float32", "--engine-arg", "device=cpu", "--engine-arg", "num_kv_blocks=160",
-               "--engine-arg", "max_model_len=1024", "--host", "127.0.0.1", "--grpc-port", str(grpc),
+               *engine_args, "--host", "127.0.0.1", "--grpc-port", str(grpc),
                "--http-port", str(http), "--metrics-port", str(metrics), "--openai-port", str(port),
                "--tool-call-parser", "hermes"]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    running = Serve(process, tmpdir, f"http://127.0.0.1:{port}/v1", f"http://127.0.0.1:{metrics}/metrics")
+    running = StructuredServe(process, tmpdir, f"http://127.0.0.1:{port}/v1", f"http://127.0.0.1:{metrics}/metrics",
+                              grpc_url=f"127.0.0.1:{grpc}")
     threading.Thread(target=lambda: running.output.extend(iter(process.stdout.readline, "")), daemon=True).start()
     try:
         deadline = time.monotonic() + 300
@@ -226,3 +242,87 @@ def test_tool_choice_none_and_tools_reach_the_template(client: openai.OpenAI, ch
     prompt = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
     assert "get_weather" in prompt
     assert response.usage.prompt_tokens == len(tokenizer(prompt).input_ids)
+
+
+PROMPT = "Answer in the format:"
+# The same constraints in each of the ways Triton's sampling_parameters take them.
+REQUESTS = [
+    {"structured_outputs": {"json": JSON_SCHEMAS[15]}},
+    {"structured_outputs": json.dumps({"json": json.dumps(JSON_SCHEMAS[1])})},
+    {"guided_decoding": {"regex": REGEXES[0]}},
+    {"structured_outputs": {"choice": ["red", "green", "blue"]}},
+    {"structured_outputs": {"grammar": ARITHMETIC_EBNF}},
+]
+
+
+def infer(url: str, params: dict[str, Any], stream: bool) -> tuple[str, str | None, str | None]:
+    """One request on a gRPC stream: its whole text, finish reason, and the error if any."""
+    texts: list[str] = []
+    reasons: list[str] = []
+    errors: list[str] = []
+    done = threading.Event()
+
+    def on_response(result: Any, error: Any) -> None:
+        if error is not None:
+            errors.append(str(error))
+            done.set()
+            return
+        text = result.as_numpy("text_output")
+        if text is not None:
+            texts.append(text[0].decode())
+            reasons.append(result.as_numpy("finish_reason")[0].decode())
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            done.set()
+
+    inputs = []
+    for name, array, kind in (
+        ("text_input", np.array([PROMPT.encode()], dtype=np.object_), "BYTES"),
+        ("sampling_parameters", np.array([json.dumps(params).encode()], dtype=np.object_), "BYTES"),
+        ("stream", np.array([stream]), "BOOL"),
+        ("exclude_input_in_output", np.array([True]), "BOOL"),
+        ("return_finish_reason", np.array([True]), "BOOL"),
+    ):
+        tensor = grpcclient.InferInput(name, list(array.shape), kind)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=on_response)
+    try:
+        client.async_stream_infer(TRITON_MODEL, inputs, request_id="structured", enable_empty_final_response=True)
+        assert done.wait(120), "no final response"
+    finally:
+        client.stop_stream()
+        client.close()
+    return "".join(texts), reasons[-1] if reasons else None, errors[0] if errors else None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_triton_constraints_give_the_offline_outputs(serve: StructuredServe, checkpoint: Path, stream: bool) -> None:
+    sampling = [{"temperature": 0.8, "seed": i, "max_tokens": 120, **extra} for i, extra in enumerate(REQUESTS)]
+    llm = LLM(str(checkpoint), **ENGINE_ARGS)
+    offline = llm.generate([PROMPT] * len(sampling), [_offline_params(values) for values in sampling])
+    for values, expected in zip(sampling, offline):
+        text, reason, error = infer(serve.grpc_url, values, stream)
+        assert error is None
+        assert (text, reason) == (expected.outputs[0].text, expected.outputs[0].finish_reason) == (text, "stop")
+
+
+def _offline_params(values: dict[str, Any]) -> SamplingParams:
+    values = dict(values)
+    if "guided_decoding" in values:
+        values["structured_outputs"] = values.pop("guided_decoding")
+    return SamplingParams.from_dict(values)
+
+
+@pytest.mark.parametrize("constraint, reason", [
+    ({"json": {"type": "objectx"}}, "rejected by xgrammar"),  # found when it compiles, in the engine
+    ({"json": {"enum": [f"value-{i}" for i in range(100_000)]}}, "at most 65536"),  # refused up front
+])
+def test_triton_bad_constraint_is_invalid_arg_naming_the_field(serve: StructuredServe, constraint: dict[str, Any],
+                                                                reason: str) -> None:
+    _, _, error = infer(serve.grpc_url, {"max_tokens": 8, "structured_outputs": constraint}, stream=True)
+    # "invalid request:" is how backend/model.py opens its INVALID_ARG messages (a stream error carries no code).
+    assert error is not None and error.startswith("invalid request:") and "SamplingParams.structured_outputs" in error
+    assert reason in error
+    text, reason_after, error = infer(serve.grpc_url, {"max_tokens": 4, "temperature": 0}, stream=False)
+    assert error is None and reason_after == "length"  # serving carries on
