@@ -13,6 +13,11 @@
 #            with one it says so and passes)
 #   moe      the fused-MoE Triton kernel against a per-expert loop of torch GEMMs (Mixtral-8x7B and
 #            Qwen3-30B-A3B layer shapes, bf16, 1-2048 tokens): correctness, then median ms of each
+#   gpu      `pagedllm bench gpu` (issue 30): Llama-3.1-8B-shaped random bf16 checkpoint, graphs on:
+#            continuous vs static tokens/s and ratio, KV waste, TTFT/TPOT at 16/64/256 QPS, decode
+#            batch 1-256 vs the 4.8 TB/s roofline, the calibrated plan vs the measured runs (~5 min est.)
+#   tiles    scripts/gpu/tune_attention_tiles_gpu.py: times candidate tiles/warps/stages per bf16
+#            family and prints kernels/attention_tiles.py entries to check in (then rerun `kernels`)
 #   fp8      FP8 KV cache kernels against their references (bytes written, attention read), the engine
 #            with kv_cache_dtype=fp8_e4m3 against the CPU backend's tokens, and an FP8-weight
 #            (compressed-tensors) checkpoint's decode against transformers (skipped, saying so, where
@@ -20,14 +25,19 @@
 # The sections' programs are in scripts/gpu/. All together took 3.5 minutes on an H200 before `moe`
 # and qwen2_moe were added (the timeouts now sum to 14.8: under a 10-minute limit, run `moe` and `fp8` on their
 # own). Tables go to stdout, JSON results to $OUT (or ./gpu-results). Exit 1 if any section failed.
-# Usage: bash scripts/gpu_check.sh [engine] [graphs] [launch] [kernels] [plan] [moe] [tp] [fp8]
+# The device allows 10 minutes per command and 15 per session, machine start included, so the default
+# (every section) no longer fits: name the sections of each call. For issue 30, first call:
+#   bash scripts/gpu_check.sh kernels gpu        (timeouts 110 + 450 s)
+# then, in a later call or session: `tiles` (240 s; paste its table, commit, then `kernels` again),
+# `engine graphs launch plan` (515 s), and `moe tp fp8` (360 s).
+# Usage: bash scripts/gpu_check.sh [engine] [graphs] [launch] [kernels] [plan] [moe] [tp] [fp8] [gpu] [tiles]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 SECTIONS=("$@")
-[ ${#SECTIONS[@]} -eq 0 ] && SECTIONS=(engine graphs launch kernels plan moe tp fp8)
+[ ${#SECTIONS[@]} -eq 0 ] && SECTIONS=(engine graphs launch kernels plan moe tp fp8 gpu tiles)
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/pagedllm-install.log 2>&1 \
     || { cat /tmp/pagedllm-install.log; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -56,7 +66,10 @@ for name in "${SECTIONS[@]}"; do
         moe) section moe 120 python3 scripts/gpu/fused_moe_bench.py "$OUT/fused_moe.json" ;;
         tp) section tp 90 python3 scripts/gpu/tp_nccl.py ;;
         fp8) section fp8 150 python3 scripts/gpu/fp8_check.py ;;
-        *) echo "unknown section $name (engine, graphs, launch, kernels, plan, moe, tp, fp8)"; FAILED+=("$name") ;;
+        gpu) section gpu 450 pagedllm bench gpu --json "$OUT/bench_gpu.json" ;;
+        tiles) section tiles 240 python3 scripts/gpu/tune_attention_tiles_gpu.py --json "$OUT/attention_tiles.json" ;;
+        *) echo "unknown section $name (engine, graphs, launch, kernels, plan, moe, tp, fp8, gpu, tiles)"
+           FAILED+=("$name") ;;
     esac
 done
 echo "failed sections: ${FAILED[*]:-none}"

@@ -8,8 +8,11 @@ download) and runs, with CUDA graphs on:
    once, through a continuous-batching engine and a static-batching one
    (same batch cap, same GPU): output tokens/s each, their ratio (the seed
    claimed continuous batching is "up to 23x" static), and the KV waste
-   (allocated slots holding no token, replayed on the engine's own scheduler);
-2. the long-tail workload arriving as Poisson traffic at each ``--qps``:
+   (allocated slots holding no token, replayed on the engine's own scheduler).
+   Each workload is ``--copies`` seeds of it submitted together, so there
+   are more requests than the batch cap and static batches wait for their
+   longest request;
+2. the long-tail workload (one seed) arriving as Poisson traffic at each ``--qps``:
    TTFT and TPOT percentiles, tokens/s;
 3. decode-only steps at each ``--batches`` size against the roofline: the
    bytes a step reads (every weight once, plus each sequence's K/V) over
@@ -28,6 +31,7 @@ import gc
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -49,7 +53,7 @@ from pagedllm.planning.calibrate import calibrate, random_checkpoint
 from pagedllm.planning.gpu_catalog import resolve_gpu
 from pagedllm.planning.model_catalog import resolve_model, spec_from_config
 from pagedllm.planning.replay import EngineLimits, replay
-from pagedllm.planning.step_time import ModelCost
+from pagedllm.planning.step_time import ModelCost, StepShape
 from pagedllm.planning.traffic import from_workload_file
 from pagedllm.simulation.workloads import Workload, make_workload
 
@@ -64,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default="Llama-3.1-8B", help="catalog model whose layer shapes to use")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's own)")
     parser.add_argument("--scale", choices=("full", "quick", "tiny"), default="full", help="workload scale")
+    parser.add_argument("--copies", type=int, default=4,
+                        help="seeds of each workload submitted together: more requests than the batch cap, so "
+                             "static batching waits for each batch's longest request")
     parser.add_argument("--qps", default="16,64,256", help="comma-separated request rates for the latency runs")
     parser.add_argument("--batches", default="1,8,32,64,128,256", help="comma-separated decode batch sizes")
     parser.add_argument("--prompt-len", type=int, default=512, help="decode runs: prompt tokens per request")
@@ -80,24 +87,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         raise SystemExit(REFUSAL)
+    if args.copies < 1:
+        raise SystemExit(f"--copies={args.copies} is invalid: expected >= 1")
     rates = _numbers(args.qps, float, "--qps")
     batches = _numbers(args.batches, int, "--batches")
     if max(batches) > args.max_num_seqs:
         raise SystemExit(f"--batches {max(batches)} exceeds --max-num-seqs {args.max_num_seqs}")
     # The random checkpoint is gigabytes: it goes when the benchmark ends.
     with tempfile.TemporaryDirectory(prefix="pagedllm-bench-gpu-") as scratch:
+        start = time.perf_counter()
         checkpoint = random_checkpoint(resolve_model(args.shape), Path(scratch) / "model", args.layers)
-        results = _bench(args, checkpoint, rates, batches, Path(scratch))
-    if args.json is not None:
-        report.write_json(args.json, results)
-        print(f"wrote {args.json}")
+        print(f"random checkpoint written in {time.perf_counter() - start:.0f} s", flush=True)
+        _bench(args, checkpoint, rates, batches, Path(scratch))
 
 
-def _bench(args: argparse.Namespace, checkpoint: Path, rates: list[float], batches: list[int],
-           scratch: Path) -> dict[str, Any]:
+def _bench(args: argparse.Namespace, checkpoint: Path, rates: list[float], batches: list[int], scratch: Path) -> None:
+    """Each table is printed, and the JSON rewritten, as soon as it is measured: a timeout keeps what came before."""
     config = json.loads((checkpoint / "config.json").read_text())
     cost = ModelCost.of(spec_from_config(args.shape, config), "bfloat16", "bfloat16")
-    workloads = {kind: make_workload(kind, args.scale, args.seed, config["vocab_size"]) for kind in WORKLOADS}
+    workloads = {kind: _copies(kind, args.scale, args.seed, config["vocab_size"], args.copies) for kind in WORKLOADS}
     max_model_len = -(-max(max(w.max_len for w in workloads.values()), args.prompt_len + args.output_len) // 16) * 16
     settings = {"model": str(checkpoint), "dtype": "bfloat16", "device": "cuda", "cuda_graphs": True,
                 "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -105,47 +113,65 @@ def _bench(args: argparse.Namespace, checkpoint: Path, rates: list[float], batch
     print(f"# pagedllm bench gpu: {torch.cuda.get_device_name()}, {args.shape} shapes, "
           f"{config['num_hidden_layers']} layers, bf16, CUDA graphs on, batch cap {args.max_num_seqs}, "
           f"weights {cost.weights_bytes / 1e9:.1f} GB\n", flush=True)
-    long_tail = workloads["long-tail"].save(scratch / "long-tail.json")
+    long_tail = make_workload("long-tail", args.scale, args.seed, config["vocab_size"]).save(scratch / "long-tail.json")
     traffic = {rate: from_workload_file(long_tail, rate, args.seed) for rate in rates}
+    options = {key: value for key, value in vars(args).items() if not callable(value)}
+    results: dict[str, Any] = {"machine": report.machine(), "gpu": torch.cuda.get_device_name(), "settings": options | {
+        "layers": config["num_hidden_layers"], "max_model_len": max_model_len}}
+
+    def publish(section: str, rows: Any) -> None:
+        results[section] = rows
+        if args.json is not None:
+            report.write_json(args.json, results)
 
     llm = _engine(settings, "continuous")
     num_blocks, block_size = llm.engine.kv.num_blocks, llm.engine.kv.block_size
+    results["settings"]["num_kv_blocks"] = num_blocks
     continuous = {kind: _timed_workload(llm, w) for kind, w in workloads.items()}
     measured = {}
     for rate in rates:
         llm.engine.kv.reset_prefix_cache()
         measured[rate] = summarize_latency(replay_at_rate(llm.engine, traffic[rate]))
+    publish("latency", [{"qps": rate, **asdict(measured[rate])} for rate in rates])
+    _print_latency(results["latency"])
     generator = torch.Generator().manual_seed(args.seed)
-    decode = {batch: timed_decode(llm.engine, batch, args.prompt_len, args.output_len, generator) for batch in batches}
+    publish("decode", [_roofline_row(cost, batch, *timed_decode(llm.engine, batch, args.prompt_len, args.output_len,
+                                                                generator), args.bandwidth_gbs * 1e9)
+                       for batch in batches])
+    _print_decode(results["decode"], args)
     _free(llm)
+
     llm = _engine(settings, "static")
     static = {kind: _timed_workload(llm, w) for kind, w in workloads.items()}
     _free(llm)
-    calibration = calibrate(checkpoint, device="cuda", dtype="bfloat16", block_size=block_size,
-                            max_num_batched_tokens=args.max_num_batched_tokens)
-
-    limits = EngineLimits(num_blocks, block_size, args.max_num_seqs, args.max_num_batched_tokens)
-    predicted = {rate: replay(traffic[rate], limits, lambda shape: calibration.model.seconds(cost, shape))
-                 for rate in rates}
     waste = {kind: kv_waste(w, num_blocks, block_size, args.max_num_seqs, args.max_num_batched_tokens)
              for kind, w in workloads.items()}
-    rows = {
-        "workloads": [{"workload": kind, "requests": len(w.requests), "output_tokens": w.num_output_tokens,
-                       "continuous_s": continuous[kind], "static_s": static[kind],
-                       "continuous_tok_s": w.num_output_tokens / continuous[kind],
-                       "static_tok_s": w.num_output_tokens / static[kind],
-                       "continuous_over_static": speedup(continuous[kind], static[kind]),
-                       "kv_waste_peak": waste[kind].peak_fraction, "kv_waste_mean": waste[kind].mean_fraction}
-                      for kind, w in workloads.items()],
-        "latency": [{"qps": rate, **asdict(measured[rate])} for rate in rates],
-        "decode": [_roofline_row(cost, batch, *decode[batch], args.bandwidth_gbs * 1e9) for batch in batches],
-        "plan": [_plan_row(rate, measured[rate], predicted[rate]) for rate in rates],
-        "calibration": calibration.model.to_json(),
-    }
-    _print(rows, args)
-    options = {key: value for key, value in vars(args).items() if not callable(value)}
-    return {"machine": report.machine(), "gpu": torch.cuda.get_device_name(), "settings": options | {
-        "layers": config["num_hidden_layers"], "num_kv_blocks": num_blocks, "max_model_len": max_model_len}, **rows}
+    publish("workloads", [{"workload": kind, "requests": len(w.requests), "output_tokens": w.num_output_tokens,
+                           "continuous_s": continuous[kind], "static_s": static[kind],
+                           "continuous_tok_s": w.num_output_tokens / continuous[kind],
+                           "static_tok_s": w.num_output_tokens / static[kind],
+                           "continuous_over_static": speedup(continuous[kind], static[kind]),
+                           "kv_waste_peak": waste[kind].peak_fraction, "kv_waste_mean": waste[kind].mean_fraction}
+                          for kind, w in workloads.items()])
+    _print_workloads(results["workloads"])
+
+    start = time.perf_counter()
+    calibration = calibrate(checkpoint, device="cuda", dtype="bfloat16", block_size=block_size,
+                            max_num_batched_tokens=args.max_num_batched_tokens)
+    print(f"calibrated in {time.perf_counter() - start:.0f} s ({len(calibration.steps)} timed steps)\n", flush=True)
+    limits = EngineLimits(num_blocks, block_size, args.max_num_seqs, args.max_num_batched_tokens)
+    clock: Callable[[StepShape], float] = lambda shape: calibration.model.seconds(cost, shape)
+    results["calibration"] = calibration.model.to_json()
+    publish("plan", [_plan_row(rate, measured[rate], replay(traffic[rate], limits, clock)) for rate in rates])
+    _print_plan(results["plan"], results["calibration"])
+    if args.json is not None:
+        print(f"wrote {args.json}")
+
+
+def _copies(kind: str, scale: str, seed: int, vocab_size: int, copies: int) -> Workload:
+    """The workload of ``copies`` consecutive seeds, as one."""
+    parts = [make_workload(kind, scale, seed + copy, vocab_size) for copy in range(copies)]
+    return Workload(kind, scale, seed, vocab_size, tuple(r for part in parts for r in part.requests))
 
 
 def _engine(settings: dict[str, Any], scheduling: str) -> LLM:
@@ -189,27 +215,35 @@ def _plan_row(rate: float, measured: Any, predicted: Any) -> dict[str, Any]:
             "predicted_tpot_p99_s": predicted.tpot(99), "measured_tpot_p99_s": measured.tpot_p99_s}
 
 
-def _print(rows: dict[str, Any], args: argparse.Namespace) -> None:
+def _print_workloads(rows: list[dict[str, Any]]) -> None:
     print("\n## Workloads, all requests at once: continuous vs static batching\n")
     print(report.markdown_table(
         ("workload", "requests", "continuous tok/s", "static tok/s", "continuous / static", "KV waste peak / mean"),
         [(r["workload"], r["requests"], r["continuous_tok_s"], r["static_tok_s"], f"{r['continuous_over_static']:.2f}x",
-          f"{r['kv_waste_peak']:.1%} / {r['kv_waste_mean']:.1%}") for r in rows["workloads"]]))
-    best = max(r["continuous_over_static"] for r in rows["workloads"])
-    print(f"best continuous / static: {best:.2f}x (the seed claimed up to {SEED_CLAIM:g}x)\n")
-    print("## long-tail arriving at a rate (Poisson)\n")
+          f"{r['kv_waste_peak']:.1%} / {r['kv_waste_mean']:.1%}") for r in rows]))
+    best = max(r["continuous_over_static"] for r in rows)
+    print(f"best continuous / static: {best:.2f}x (the seed claimed up to {SEED_CLAIM:g}x)\n", flush=True)
+
+
+def _print_latency(rows: list[dict[str, Any]]) -> None:
+    print("\n## long-tail arriving at a rate (Poisson)\n")
     print(report.markdown_table(
         ("qps", "tok/s", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "TPOT p99 ms"),
         [(r["qps"], r["output_tokens_per_s"], r["ttft_p50_s"], r["ttft_p99_s"], _ms(r["tpot_p50_s"]),
-          _ms(r["tpot_p99_s"])) for r in rows["latency"]]))
+          _ms(r["tpot_p99_s"])) for r in rows]), flush=True)
+
+
+def _print_decode(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"## Decode against the roofline ({args.bandwidth_gbs:g} GB/s; prompt {args.prompt_len}, "
           f"output {args.output_len})\n")
     print(report.markdown_table(
         ("batch", "decode tok/s", "roofline tok/s", "of roofline", f"target >= {ROOFLINE_TARGET:.0%} (batch >= 64)"),
         [(r["batch"], r["tokens_per_s"], r["roofline_tokens_per_s"], f"{r['of_roofline']:.1%}",
           ("met" if r["of_roofline"] >= ROOFLINE_TARGET else "MISSED") if r["batch"] >= 64 else "–")
-         for r in rows["decode"]]))
-    calibration = rows["calibration"]
+         for r in rows]), flush=True)
+
+
+def _print_plan(rows: list[dict[str, Any]], calibration: dict[str, Any]) -> None:
     print(f"## pagedllm plan (calibrated here: {calibration['source']}) against the measured runs\n")
     print("(the calibration times engine steps without CUDA graphs: planning.calibrate has no switch for them)\n")
     print(report.markdown_table(
@@ -218,7 +252,7 @@ def _print(rows: dict[str, Any], args: argparse.Namespace) -> None:
         [(r["qps"], r["predicted_wall_s"], r["measured_wall_s"], f"{r['wall_error']:+.1%}",
           "met" if abs(r["wall_error"]) <= PLAN_TOLERANCE else "MISSED",
           f"{r['predicted_ttft_p99_s'] or 0:.3f} / {r['measured_ttft_p99_s']:.3f}",
-          f"{_ms(r['predicted_tpot_p99_s'])} / {_ms(r['measured_tpot_p99_s'])}") for r in rows["plan"]]))
+          f"{_ms(r['predicted_tpot_p99_s'])} / {_ms(r['measured_tpot_p99_s'])}") for r in rows]), flush=True)
 
 
 def _ms(seconds: float | None) -> str:
