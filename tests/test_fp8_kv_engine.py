@@ -90,3 +90,15 @@ def test_auto_keeps_the_model_dtype_and_no_scales(tiny_model_dir) -> None:
     assert all(layer.self_attn.kv_scales is None for layer in engine.model.model.layers)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(str(tiny_model_dir("llama")), kv_cache_dtype="int8")
+
+
+def test_tensor_parallel_ranks_share_the_fp8_cache_layout(tiny_model_dir) -> None:
+    """Every rank holds the same 8-bit blocks (its own heads): TP=2 decodes TP=1's tokens."""
+    model = str(tiny_model_dir("llama"))
+    common = dict(dtype="float32", kv_cache_dtype="fp8_e4m3", num_kv_blocks=64, attention_backend="torch")
+    expected = _tokens(LLM(model, **common), PROMPTS[:2], GREEDY)
+    split = LLM(model, tensor_parallel_size=2, **common)
+    try:
+        assert _tokens(split, PROMPTS[:2], GREEDY) == expected
+    finally:
+        split.close()

@@ -15,15 +15,19 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from pagedllm.models import load_model
+from pagedllm.models.loader import checkpoint_files
+from pagedllm.models.quantization import checkpoint_kv_cache_scales
 from pagedllm.parallel.group import TensorParallel, join_group, leave_group
 from pagedllm.parallel.step_wire import receive_step
 from pagedllm.parallel.workers import DEVICE_ENV, PARENT_ENV, THREADS_ENV, LoadSpec, RunnerSpec
 from pagedllm.worker.attention_backend import attention_backend_named
+from pagedllm.worker.kv_quant import prepare_kv_cache
 from pagedllm.worker.model_runner import BatchLimits, ModelRunner, kv_budget_bytes
 
 log = logging.getLogger(__name__)
@@ -62,6 +66,11 @@ def _serve(device: torch.device, tp: TensorParallel) -> None:
     config = spec.config
     attention = attention_backend_named(spec.attention_backend)
     model = load_model(spec.model_dir, spec.dtype, device, attention, tp)
+    # The same cache dtype and per-layer KV scales as rank 0 (measured ones are this rank's heads' own).
+    kv_cache_dtype = prepare_kv_cache(
+        model.model.layers, config.kv_cache_dtype, spec.dtype, device,
+        checkpoint_kv_cache_scales(Path(spec.model_dir), checkpoint_files(Path(spec.model_dir)), model.num_layers),
+        config.calculate_kv_scales)
     if config.num_kv_blocks is None:
         tp.min_int(kv_budget_bytes(config, device))
     dist.broadcast_object_list(received, src=0)
@@ -69,7 +78,7 @@ def _serve(device: torch.device, tp: TensorParallel) -> None:
     if not isinstance(sizes, RunnerSpec):
         raise RuntimeError(f"rank {rank} expected a RunnerSpec from rank 0, got {type(sizes).__name__}")
     limits = BatchLimits(config.max_num_seqs, config.max_num_batched_tokens, sizes.max_model_len)
-    runner = ModelRunner(model, attention, sizes.num_blocks, config.block_size, spec.dtype, device, limits,
+    runner = ModelRunner(model, attention, sizes.num_blocks, config.block_size, kv_cache_dtype, device, limits,
                          cuda_graphs=config.cuda_graphs)
     with torch.inference_mode():
         while (step := receive_step(device)) is not None:
