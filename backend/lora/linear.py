@@ -3,7 +3,8 @@ slot ``s``'s group in the step's :class:`~pagedllm.lora.mapping.LoRAMapping`.
 
 The base module is left as it is (an ``nn.Linear`` or a packed CPU linear). Each slot's ``A`` and scaled ``B`` sit in
 one buffer per linear; a fused linear (q|k|v, gate|up) stacks its parts' ranks along the rank axis and places each
-part's ``B`` block-diagonally at its output rows, so one shrink and one expand serve all parts. On CUDA the
+part's ``B`` block-diagonally at its output rows, so one shrink and one expand serve all parts. Parts are packed at
+the adapter's own rank, so the CPU path multiplies only a slot's used width; the padding is zeros. On CUDA the
 Triton-lang kernels run the segments; elsewhere one pair of torch matmuls per adapter group does.
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ class LoRALinear(nn.Module):
         self.lora_a = torch.zeros(max_loras, width, self.in_features, dtype=dtype, device=device)
         self.lora_b = torch.zeros(max_loras, self.out_features, width, dtype=dtype, device=device)
         self.use_kernels = device.type == "cuda"
+        self.slot_width = [0] * max_loras  # rank columns a slot's adapter uses (parts x its rank)
 
     def set_slot(self, slot: int, parts: Sequence[tuple[torch.Tensor, torch.Tensor] | None], scale: float) -> None:
         """Hold an adapter in ``slot``: per part ``(A [r, in], B [out_part, r])``, or ``None`` where it adapts none."""
@@ -47,15 +49,17 @@ class LoRALinear(nn.Module):
         a, b = self.lora_a[slot], self.lora_b[slot]
         a.zero_()
         b.zero_()
-        row = 0
+        row = width = 0
         for index, (part, size) in enumerate(zip(parts, self.part_sizes)):
             if part is not None:
                 part_a, part_b = part
                 rank = part_a.shape[0]
-                column = index * self.max_rank
+                column = index * rank
                 a[column : column + rank] = part_a.to(a.dtype)
                 b[row : row + size, column : column + rank] = (part_b.float() * scale).to(b.dtype)
+                width = column + rank
             row += size
+        self.slot_width[slot] = width
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -71,7 +75,10 @@ class LoRALinear(nn.Module):
             lora_expand(buffer, self.lora_b, y, *segments)
             return y
         for group in mapping.groups:
-            delta = (x[group.rows] @ self.lora_a[group.slot].T) @ self.lora_b[group.slot].T
+            width = self.slot_width[group.slot]
+            if width == 0:  # the adapter leaves this linear alone
+                continue
+            delta = (x[group.rows] @ self.lora_a[group.slot, :width].T) @ self.lora_b[group.slot, :, :width].T
             if isinstance(group.rows, slice):
                 y[group.rows] += delta
             else:
