@@ -12,12 +12,15 @@ that xgrammar would otherwise allow without end.
 The compile runs off the engine's step path: xgrammar releases the GIL while it
 compiles. A compile cannot be interrupted, so a request that gives up on one (the
 engine's timeout) leaves it to finish on the worker, where its result still lands in
-the cache for the next request with the same constraint. The worker is a daemon thread:
-a process that exits does not wait for a compile nobody needs any more.
+the cache for the next request with the same constraint. ``WORKERS`` compiles run at
+once (half the CPUs, two to eight), so one slow constraint does not hold up the others.
+The workers are daemon threads: a process that exits does not wait for a compile nobody
+needs any more.
 """
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
 import threading
@@ -31,6 +34,7 @@ from transformers import PreTrainedTokenizerBase
 from pagedllm.structured_outputs_params import StructuredOutputsParams
 
 CACHE_ENTRIES = 256
+WORKERS = max(2, min(8, (os.cpu_count() or 2) // 2))
 # xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: ": not the client's business.
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
@@ -40,7 +44,7 @@ class GrammarRejected(ValueError):
 
 
 class GrammarCompiler:
-    """Thread-safe: ``submit`` from the engine thread; compiles run one at a time on a worker."""
+    """Thread-safe: ``submit`` from the engine thread; compiles run on the workers."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
         self._tokenizer = tokenizer
@@ -49,7 +53,9 @@ class GrammarCompiler:
         self._compiler: xgr.GrammarCompiler | None = None  # built on the worker at first use: large vocabularies take a while
         self._work: queue.SimpleQueue[tuple[StructuredOutputsParams, Future[xgr.CompiledGrammar]] | None] = \
             queue.SimpleQueue()
-        self._worker: threading.Thread | None = None
+        self._workers: list[threading.Thread] = []
+        self._closed = False
+        self._building = threading.Lock()  # the first compiles wait for one shared xgrammar compiler
         self._cache: OrderedDict[tuple[str, str], Future[xgr.CompiledGrammar]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -65,39 +71,39 @@ class GrammarCompiler:
             self._cache[key] = future
             if len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._serve, name="pagedllm-grammar", daemon=True)
-                self._worker.start()
+            if not self._workers:  # started at first use: most engines never compile a grammar
+                self._workers = [threading.Thread(target=self._serve, name=f"pagedllm-grammar-{i}", daemon=True)
+                                 for i in range(WORKERS)]
+                for worker in self._workers:
+                    worker.start()
         self._work.put((constraint, future))
         return future
 
     def close(self) -> None:
-        """Let the worker end after the compile in progress; the compiles still queued are cancelled."""
-        self._work.put(None)
+        """Let the workers end after the compiles in progress; the compiles still queued are cancelled."""
+        self._closed = True
+        for _ in self._workers:
+            self._work.put(None)
 
     def _serve(self) -> None:
         while (item := self._work.get()) is not None:
             constraint, future = item
+            if self._closed:  # nobody will wait for it
+                future.cancel()
             if not future.set_running_or_notify_cancel():
                 continue
             try:
                 future.set_result(self._compile(constraint))
             except BaseException as error:  # the waiting request reports it; the worker carries on
                 future.set_exception(error)
-        while True:  # closed: nobody will wait for what is left
-            try:
-                leftover = self._work.get_nowait()
-            except queue.Empty:
-                return
-            if leftover is not None:
-                leftover[1].cancel()
 
     def _compile(self, constraint: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
-                                                      stop_token_ids=self._stop_token_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        compiler = self._compiler
+        with self._building:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
+                                                          stop_token_ids=self._stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            compiler = self._compiler
         kind = constraint.kind
         try:
             if kind == "json":
