@@ -144,3 +144,28 @@ def test_scheduler_skips_a_request_whose_adapter_has_no_slot_without_blocking_ot
     out = scheduler.schedule()
     assert "y" in [item.seq.request.request_id for item in out.scheduled]
     assert blocked.sequences[0].status is SequenceStatus.RUNNING and slots.num_evictions == 1
+
+
+def test_named_adapters_keep_their_ids_and_follow_the_file(base: Path, tmp_path: Path) -> None:
+    from pagedllm.lora.modules import LoRAModules, parse_lora_modules, write_multi_lora
+
+    first = make_random_adapter(base, tmp_path / "first", 8, 16, seed=0)
+    second = make_random_adapter(base, tmp_path / "second", 8, 16, seed=1)
+    file = tmp_path / "multi_lora.json"
+    write_multi_lora(file, {"a": str(first)})
+    modules = LoRAModules.from_file(file)
+    assert modules.request("a") == LoRARequest("a", 1, str(first))
+    with pytest.raises(ValueError, match=r"unknown adapter 'b'; known adapters: \['a'\]"):
+        modules.request("b")
+    write_multi_lora(file, {"b": str(second), "a": str(first)})
+    assert modules.request("b").lora_int_id == 2 and modules.request("a").lora_int_id == 1
+    write_multi_lora(file, {"a": str(second)})  # a new folder under an old name is a new adapter
+    assert modules.request("a").lora_int_id == 3
+    write_multi_lora(file, {"a": str(first), "bad": str(tmp_path / "missing")})
+    with pytest.raises(ValueError, match="entry 'bad': LoRA adapter 'bad': lora_path .* does not exist"):
+        LoRAModules.from_file(file).check(base, 16)
+    file.write_text('{"a": 3}')
+    with pytest.raises(ValueError, match="entry 'a': expected a non-empty name and an adapter folder path"):
+        LoRAModules.from_file(file)
+    with pytest.raises(ValueError, match="expected NAME=PATH"):
+        parse_lora_modules(["no-path"])
