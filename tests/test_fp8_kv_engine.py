@@ -102,3 +102,14 @@ def test_tensor_parallel_ranks_share_the_fp8_cache_layout(tiny_model_dir) -> Non
         assert _tokens(split, PROMPTS[:2], GREEDY) == expected
     finally:
         split.close()
+
+
+def test_model_json_takes_kv_cache_dtype_and_names_a_bad_one(tmp_path) -> None:
+    from pagedllm.serving.engine_args import load_engine_config
+
+    (tmp_path / "model.json").write_text('{"kv_cache_dtype": "fp8_e5m2", "calculate_kv_scales": true}')
+    config = load_engine_config(tmp_path)
+    assert (config.kv_cache_dtype, config.calculate_kv_scales) == ("fp8_e5m2", True)
+    (tmp_path / "model.json").write_text('{"kv_cache_dtype": "fp8"}')
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is invalid: expected one of auto, fp8_e4m3, fp8_e5m2"):
+        load_engine_config(tmp_path)
