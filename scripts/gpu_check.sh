@@ -18,6 +18,9 @@
 #            batch 1-256 vs the 4.8 TB/s roofline, the calibrated plan vs the measured runs (~5 min est.)
 #   tiles    scripts/gpu/tune_attention_tiles_gpu.py: times candidate tiles/warps/stages per bf16
 #            family and prints kernels/attention_tiles.py entries to check in (then rerun `kernels`)
+#   lora     multi-LoRA: the compiled shrink/expand kernels against their references (fp32, bf16, ranks 4-64),
+#            their ms against a per-adapter torch loop at Llama-3.1-8B q|k|v shapes, and the CUDA engine's
+#            tokens through three adapters (max_loras=2) against the CPU engine's
 #   fp8      FP8 KV cache kernels against their references (bytes written, attention read), the engine
 #            with kv_cache_dtype=fp8_e4m3 against the CPU backend's tokens, and an FP8-weight
 #            (compressed-tensors) checkpoint's decode against transformers (skipped, saying so, where
@@ -30,14 +33,14 @@
 #   bash scripts/gpu_check.sh kernels gpu        (timeouts 110 + 450 s)
 # then, in a later call or session: `tiles` (240 s; paste its table, commit, then `kernels` again),
 # `engine graphs launch plan` (515 s), and `moe tp fp8` (360 s).
-# Usage: bash scripts/gpu_check.sh [engine] [graphs] [launch] [kernels] [plan] [moe] [tp] [fp8] [gpu] [tiles]
+# Usage: bash scripts/gpu_check.sh [engine] [graphs] [launch] [kernels] [plan] [moe] [tp] [fp8] [lora] [gpu] [tiles]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 SECTIONS=("$@")
-[ ${#SECTIONS[@]} -eq 0 ] && SECTIONS=(engine graphs launch kernels plan moe tp fp8 gpu tiles)
+[ ${#SECTIONS[@]} -eq 0 ] && SECTIONS=(engine graphs launch kernels plan moe tp fp8 lora gpu tiles)
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/pagedllm-install.log 2>&1 \
     || { cat /tmp/pagedllm-install.log; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -66,9 +69,10 @@ for name in "${SECTIONS[@]}"; do
         moe) section moe 120 python3 scripts/gpu/fused_moe_bench.py "$OUT/fused_moe.json" ;;
         tp) section tp 90 python3 scripts/gpu/tp_nccl.py ;;
         fp8) section fp8 150 python3 scripts/gpu/fp8_check.py ;;
+        lora) section lora 120 python3 scripts/gpu/lora_check.py ;;
         gpu) section gpu 450 pagedllm bench gpu --json "$OUT/bench_gpu.json" ;;
         tiles) section tiles 240 python3 scripts/gpu/tune_attention_tiles_gpu.py --json "$OUT/attention_tiles.json" ;;
-        *) echo "unknown section $name (engine, graphs, launch, kernels, plan, moe, tp, fp8, gpu, tiles)"
+        *) echo "unknown section $name (engine, graphs, launch, kernels, plan, moe, tp, fp8, lora, gpu, tiles)"
            FAILED+=("$name") ;;
     esac
 done
