@@ -28,6 +28,7 @@ from triton.compiler import compile as compile_kernel  # noqa: E402
 
 from pagedllm.kernels import attention_launch, block_copy, kv_write  # noqa: E402
 from pagedllm.kernels.attention_kernel import unified_attention_kernel  # noqa: E402
+from pagedllm.kernels.attention_tiles import HOPPER_TILES  # noqa: E402
 from pagedllm.kernels.launch_support import is_interpreted  # noqa: E402
 
 if is_interpreted(unified_attention_kernel):
@@ -59,7 +60,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
 
 def _compile(launch: Launch) -> Any:
     kernel, _, args, kwargs = launch
-    options = {"num_warps": kwargs.pop("num_warps", 4)}
+    options = {"num_warps": kwargs.pop("num_warps", 4), "num_stages": kwargs.pop("num_stages", 3)}
     values = dict(zip(kernel.arg_names, args)) | kwargs
     signature: dict[str, str] = {}
     constants: dict[tuple[int, ...], Any] = {}
@@ -107,6 +108,20 @@ def test_attention_compiles_for_sm90(case: tuple[Any, ...], launches: list[Launc
     expected = 2 if case[-1] not in (None, 1) else 1
     assert len(launches) == expected  # split-KV adds the reduce launch
     for launch in launches:
+        assert _compile(launch).metadata.shared <= SHARED_MEMORY_LIMIT
+
+
+def test_every_tile_table_entry_compiles_for_sm90(launches: list[Launch]) -> None:
+    """Each family's tiles, warps and stages (kernels/attention_tiles.py) fit an sm_90 block's shared memory."""
+    head_dims = {64: 64, 128: 128, 256: 256}
+    for family in HOPPER_TILES:
+        dtype = torch.float32 if family.precision == "fp32" else torch.bfloat16
+        query_lens, seq_lens = ([1] * 4, [2048] * 4) if family.phase == "decode" else ([512], [512])
+        _attention(query_lens, seq_lens, 32, 8, head_dims[family.head_bucket], dtype, None)
+    assert len(launches) == len(HOPPER_TILES)
+    for launch, config in zip(launches, HOPPER_TILES.values()):
+        assert (launch[3]["TILE_N"], launch[3]["num_warps"], launch[3]["num_stages"]) == (
+            config.tile_n, config.num_warps, config.num_stages)
         assert _compile(launch).metadata.shared <= SHARED_MEMORY_LIMIT
 
 
