@@ -139,11 +139,15 @@ def _bench(args: argparse.Namespace, checkpoint: Path, rates: list[float], batch
                                                                 generator), args.bandwidth_gbs * 1e9)
                        for batch in batches])
     _print_decode(results["decode"], args)
-    _free(llm)
+    llm.close()
+    del llm  # its weights, KV cache and graphs go before the next engine loads
+    _release_gpu()
 
     llm = _engine(settings, "static")
     static = {kind: _timed_workload(llm, w) for kind, w in workloads.items()}
-    _free(llm)
+    llm.close()
+    del llm
+    _release_gpu()
     waste = {kind: kv_waste(w, num_blocks, block_size, args.max_num_seqs, args.max_num_batched_tokens)
              for kind, w in workloads.items()}
     publish("workloads", [{"workload": kind, "requests": len(w.requests), "output_tokens": w.num_output_tokens,
@@ -194,9 +198,7 @@ def _timed_workload(llm: LLM, workload: Workload) -> float:
     return time.perf_counter() - start
 
 
-def _free(llm: LLM) -> None:
-    llm.close()
-    del llm
+def _release_gpu() -> None:
     gc.collect()
     torch.cuda.empty_cache()
 
