@@ -73,6 +73,7 @@ DEFAULT_CASES = [(family, 4, 2, None) for family in ALL_FAMILIES] + [
     (TileFamily("decode", 64, "fp32"), 7, 1, 7),  # the 100-key context is 4 key tiles: 7 splits leave some empty
     (TileFamily("prefill", 128, "16bit"), 7, 1, 2),
     (TileFamily("prefill", 64, "fp32"), 8, 1, 4),
+    (TileFamily("decode", 64, "16bit"), 32, 1, None),  # a group wider than the entry's 16 rows widens the tile
 ]
 FULL_CASES = [(family, group, kv, splits) for family in ALL_FAMILIES
               for group, kv in ((1, 2), (3, 2), (8, 1)) for splits in (None, 2, 5)]
