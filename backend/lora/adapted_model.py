@@ -12,7 +12,9 @@ import torch
 from pagedllm.lora.adapter import LoRAAdapter, LoRAWeights, config_model_shape
 from pagedllm.lora.linear import LoRAContext, LoRALinear
 from pagedllm.models import CausalLM
-from pagedllm.parallel.sharding import RowRange
+from pagedllm.parallel.sharding import RowRange, ShardLayout
+
+Part = tuple[torch.Tensor, torch.Tensor]  # (A [rank, in], B [out, rank]) of one part of a fused linear
 
 
 class AdaptedModel:
@@ -38,23 +40,31 @@ class AdaptedModel:
                 mlp.down_proj = wrap(mlp.down_proj, (mlp.down_proj.out_features,))
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
-        layout = self.model.layout
-        q_rows, kv_rows, mlp_rows = layout.q_rows(), layout.kv_rows(), layout.mlp_rows()
         for index, layer in enumerate(self.model.model.layers):
-            def column_parallel(module: str, rows: RowRange) -> tuple[torch.Tensor, torch.Tensor] | None:
-                weights = adapter.weights.get((index, module))
-                return None if weights is None else (weights.a, weights.b[rows.start : rows.stop])
+            parts = layer_parts(adapter, index, self.model.layout)
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = {"qkv_proj": attn.qkv_proj, "o_proj": attn.o_proj,
+                       "gate_up_proj": getattr(mlp, "gate_up_proj", None), "down_proj": getattr(mlp, "down_proj", None)}
+            for name, linear in linears.items():
+                if isinstance(linear, LoRALinear):
+                    linear.set_slot(slot, parts[name], adapter.scale)
 
-            def row_parallel(module: str, columns: RowRange) -> tuple[torch.Tensor, torch.Tensor] | None:
-                weights: LoRAWeights | None = adapter.weights.get((index, module))
-                return None if weights is None else (weights.a[:, columns.start : columns.stop], weights.b)
 
-            attn = layer.self_attn
-            attn.qkv_proj.set_slot(slot, [column_parallel("q_proj", q_rows), column_parallel("k_proj", kv_rows),
-                                          column_parallel("v_proj", kv_rows)], adapter.scale)
-            attn.o_proj.set_slot(slot, [row_parallel("o_proj", layout.o_columns())], adapter.scale)
-            mlp = layer.mlp
-            if isinstance(getattr(mlp, "gate_up_proj", None), LoRALinear):
-                mlp.gate_up_proj.set_slot(slot, [column_parallel("gate_proj", mlp_rows),
-                                                 column_parallel("up_proj", mlp_rows)], adapter.scale)
-                mlp.down_proj.set_slot(slot, [row_parallel("down_proj", layout.down_columns())], adapter.scale)
+def layer_parts(adapter: LoRAAdapter, index: int, layout: ShardLayout) -> dict[str, list[Part | None]]:
+    """This rank's ``(A, B)`` of each fused linear's parts in layer ``index`` (``None`` where none is adapted)."""
+    def column_parallel(module: str, rows: RowRange) -> Part | None:
+        weights = adapter.weights.get((index, module))
+        return None if weights is None else (weights.a, weights.b[rows.start : rows.stop])
+
+    def row_parallel(module: str, columns: RowRange) -> Part | None:
+        weights: LoRAWeights | None = adapter.weights.get((index, module))
+        return None if weights is None else (weights.a[:, columns.start : columns.stop], weights.b)
+
+    q_rows, kv_rows, mlp_rows = layout.q_rows(), layout.kv_rows(), layout.mlp_rows()
+    return {
+        "qkv_proj": [column_parallel("q_proj", q_rows), column_parallel("k_proj", kv_rows),
+                     column_parallel("v_proj", kv_rows)],
+        "o_proj": [row_parallel("o_proj", layout.o_columns())],
+        "gate_up_proj": [column_parallel("gate_proj", mlp_rows), column_parallel("up_proj", mlp_rows)],
+        "down_proj": [row_parallel("down_proj", layout.down_columns())],
+    }
