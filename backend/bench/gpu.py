@@ -112,7 +112,8 @@ def _bench(args: argparse.Namespace, checkpoint: Path, rates: list[float], batch
                 "kv_cache_memory_gb": args.kv_cache_gb, "max_model_len": max_model_len, "seed": args.seed}
     print(f"# pagedllm bench gpu: {torch.cuda.get_device_name()}, {args.shape} shapes, "
           f"{config['num_hidden_layers']} layers, bf16, CUDA graphs on, batch cap {args.max_num_seqs}, "
-          f"weights {cost.weights_bytes / 1e9:.1f} GB\n", flush=True)
+          f"weights {cost.weights_bytes / 1e9:.1f} GB (vocabulary {config['vocab_size']}: the embedded tokenizer's)\n",
+          flush=True)
     long_tail = make_workload("long-tail", args.scale, args.seed, config["vocab_size"]).save(scratch / "long-tail.json")
     traffic = {rate: from_workload_file(long_tail, rate, args.seed) for rate in rates}
     options = {key: value for key, value in vars(args).items() if not callable(value)}
