@@ -40,7 +40,6 @@ def unified_attention_kernel(
     qk_scale,  # softmax scale * log2(e)
     num_seqs,
     num_heads,
-    max_tiles,  # key tiles of the longest context the block table holds; splits share them evenly
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -108,10 +107,11 @@ def unified_attention_kernel(
         tile_lo = 0
         tile_hi = num_tiles
     else:
-        # Split s covers tiles [s * max_tiles // NUM_SPLITS, (s + 1) * max_tiles // NUM_SPLITS): sizes differ by
-        # at most one tile, so no split of the longest sequence is empty while NUM_SPLITS <= max_tiles.
-        tile_lo = split * max_tiles // NUM_SPLITS
-        tile_hi = tl.minimum((split + 1) * max_tiles // NUM_SPLITS, num_tiles)
+        # Split s covers tiles [s * num_tiles // NUM_SPLITS, (s + 1) * num_tiles // NUM_SPLITS) of this
+        # sequence's own keys: sizes differ by at most one tile, so a sequence shorter than the block table
+        # (every one, under a CUDA graph's full-width table) still spreads over all the splits.
+        tile_lo = split * num_tiles // NUM_SPLITS
+        tile_hi = (split + 1) * num_tiles // NUM_SPLITS
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)

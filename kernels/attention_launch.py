@@ -76,7 +76,6 @@ class _Launch:
     """Everything a layer's launch needs that depends only on shapes: tiles, grid, split-KV buffers."""
 
     tiles: AttentionTiles
-    max_tiles: int  # key tiles of the longest context the block table holds
     grid: tuple[int, int, int]
     # Split-KV partials (acc [num_tokens, num_heads, num_splits, head_pad], running max and sum
     # [num_tokens, num_heads, num_splits], fp32); None for a single pass.
@@ -149,7 +148,7 @@ def unified_attention_planned(
     kernel[launch.grid](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum,
         step.query_start_loc, step.seq_lens, step.block_table, k_scale if quant else q, v_scale if quant else q,
-        float(scale) * LOG2_E, step.num_seqs, q.shape[1], launch.max_tiles,
+        float(scale) * LOG2_E, step.num_seqs, q.shape[1],
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *step.block_table.stride(),
         HEAD_DIM=q.shape[2], HEAD_PAD=tiles.head_pad, GROUP=tiles.group, GROUP_PAD=tiles.group_pad,
         BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m, TILE_N=tiles.tile_n, BLOCK_SIZE=k_cache.shape[1],
@@ -188,16 +187,11 @@ def _planned_launch(
                                 device=q.device), part_max, torch.empty_like(part_max))
     launch = _Launch(
         tiles=tiles,
-        max_tiles=_cdiv(max_context, tiles.tile_n),
         grid=(num_tokens // tiles.block_q + step.num_seqs, num_kv_heads, tiles.num_splits),
         partials=partials,
     )
     step.launches[key] = launch
     return launch
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _reduce(
