@@ -103,8 +103,6 @@ class EngineConfig:
         _require(_positive_int(self.max_lora_rank), "max_lora_rank", self.max_lora_rank, "a positive integer")
         _require(self.max_cpu_loras is None or (_positive_int(self.max_cpu_loras) and self.max_cpu_loras >= self.max_loras),
                  "max_cpu_loras", self.max_cpu_loras, f"null or an integer >= max_loras={self.max_loras}")
-        _require(not self.enable_lora or self.tensor_parallel_size == 1, "enable_lora", self.enable_lora,
-                 "false with tensor_parallel_size > 1: adapter slot loads are not sent to the other ranks yet")
         _require(not self.enable_lora or not self.cuda_graphs, "enable_lora", self.enable_lora,
                  "false with cuda_graphs: the decode graphs do not replay the LoRA segments")
 

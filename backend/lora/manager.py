@@ -45,7 +45,16 @@ class LoRAManager:
     def slot_of(self, lora_int_id: int) -> int:
         return self.slots.slot_of(lora_int_id)
 
-    def apply_loads(self) -> None:
-        """Copy the adapters assigned to slots since the last step into them."""
+    def apply_loads(self) -> list[tuple[int, LoRARequest]]:
+        """Copy the adapters assigned to slots since the last step into them; returns what went where (the other
+        tensor-parallel ranks load the same, :meth:`load_into`)."""
+        loads = []
         for slot, lora_int_id in self.slots.take_loads():
             self.adapted.load(slot, self.registry.get(lora_int_id))
+            loads.append((slot, self.registry.request_of(lora_int_id)))
+        return loads
+
+    def load_into(self, slot: int, request: LoRARequest) -> None:
+        """Another rank: hold ``request``'s adapter (this rank's share of it) in ``slot``, as rank 0 does."""
+        self.registry.add(request)
+        self.adapted.load(slot, self.registry.get(request.lora_int_id))

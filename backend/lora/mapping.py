@@ -29,6 +29,7 @@ class LoRAMapping:
     seg_slots: torch.Tensor  # int32 [num_segments]
     max_seg_len: int
     groups: tuple[LoRAGroup, ...]  # the same groups on the host, for the CPU path
+    seq_slots: np.ndarray  # int64 [num_seqs]: each sequence's slot, what other tensor-parallel ranks rebuild it from
 
 
 def build_lora_mapping(seq_slots: np.ndarray, query_lens: np.ndarray, device: torch.device) -> LoRAMapping | None:
@@ -55,4 +56,5 @@ def build_lora_mapping(seq_slots: np.ndarray, query_lens: np.ndarray, device: to
         seg_slots=torch.from_numpy(seg_slots).to(device),
         max_seg_len=int(np.diff(seg_starts).max()),
         groups=tuple(groups),
+        seq_slots=seq_slots,
     )

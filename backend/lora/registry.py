@@ -41,6 +41,9 @@ class AdapterRegistry:
             return adapter
         return self._hold(self._known[lora_int_id])
 
+    def request_of(self, lora_int_id: int) -> LoRARequest:
+        return self._known[lora_int_id]
+
     def remove(self, lora_int_id: int) -> None:
         self._known.pop(lora_int_id, None)
         self._loaded.pop(lora_int_id, None)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pagedllm.lora.manager import LoRAManager
 from pagedllm.models import load_model
 from pagedllm.models.loader import checkpoint_files
 from pagedllm.models.quantization import checkpoint_kv_cache_scales
@@ -78,11 +79,16 @@ def _serve(device: torch.device, tp: TensorParallel) -> None:
     if not isinstance(sizes, RunnerSpec):
         raise RuntimeError(f"rank {rank} expected a RunnerSpec from rank 0, got {type(sizes).__name__}")
     limits = BatchLimits(config.max_num_seqs, config.max_num_batched_tokens, sizes.max_model_len)
+    lora = (LoRAManager(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras)
+            if config.enable_lora else None)
     runner = ModelRunner(model, attention, sizes.num_blocks, config.block_size, kv_cache_dtype, device, limits,
-                         cuda_graphs=config.cuda_graphs)
+                         cuda_graphs=config.cuda_graphs, lora=lora)
     with torch.inference_mode():
         while (step := receive_step(device)) is not None:
-            inputs, copies = step
+            inputs, copies, lora_loads = step
+            for slot, request in lora_loads:
+                if lora is not None:
+                    lora.load_into(slot, request)
             runner.run(inputs, copies)
 
 

@@ -79,11 +79,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor:
         """Forward the step's tokens; returns float32 logits [num_sampled, vocab]."""
-        if self.lora is not None:
-            self.lora.apply_loads()
+        lora_loads = self.lora.apply_loads() if self.lora is not None else []
         inputs = self.prepare(step)
         if self.model.tp.size > 1:
-            broadcast_step(inputs, list(step.block_copies), self.device)
+            broadcast_step(inputs, list(step.block_copies), self.device, lora_loads)
         logits = self.run(inputs, step.block_copies)
         if logits is None:
             raise RuntimeError("rank 0 received no logits from the tensor-parallel gather")
