@@ -10,6 +10,7 @@ import itertools
 import pytest
 
 from pagedllm.kernels.attention_heuristics import MAX_SPLITS, MIN_KEYS_PER_SPLIT, num_kv_splits, plan_attention
+from pagedllm.kernels.attention_tiles import HOPPER_TILES, TileConfig, TileFamily
 
 BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 48, 64, 100, 128, 200, 256)
 CONTEXTS = (512, 1024, 2048, 3000, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -82,3 +83,13 @@ def test_short_contexts_and_explicit_splits() -> None:
     assert num_kv_splits(num_seqs=1, num_tokens=1, num_kv_heads=8, max_context=MIN_KEYS_PER_SPLIT, num_sms=132) == 1
     assert num_kv_splits(num_seqs=1, num_tokens=1, num_kv_heads=8, max_context=16, num_sms=132) == 1
     assert plan_attention(1, 1, 32, 8, 128, 131072, 132, num_splits=5).num_splits == 5
+
+
+def test_plans_read_the_tile_table_when_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tuner (scripts/gpu/tune_attention_tiles_gpu.py) swaps entries in-process; the next plan must use them."""
+    family = TileFamily("decode", 128, "16bit")
+    assert plan_attention(8, 8, 32, 8, 128, 4096, 132).tile_n == HOPPER_TILES[family].tile_n
+    monkeypatch.setitem(HOPPER_TILES, family, TileConfig(block_m=32, tile_n=128, num_warps=8, num_stages=4))
+    tiles = plan_attention(8, 8, 32, 8, 128, 4096, 132)
+    assert (tiles.block_m, tiles.tile_n, tiles.num_warps, tiles.num_stages) == (32, 128, 8, 4)
+    assert tiles.num_splits == 3  # 4096 keys are 32 tiles of 128: the cap of 2 tiles a split still allows 3
