@@ -68,7 +68,7 @@ def lora_shrink(
     seg_slots: torch.Tensor,
     max_seg_len: int,
 ) -> None:
-    """``out[t] = x[t] @ lora_a[slot]^T`` per segment token; see :func:`~pagedllm.kernels.lora_reference.lora_shrink_ref`."""
+    """``out[t] = x[t] @ lora_a[slot]^T`` per segment token (contract: ``lora_reference.lora_shrink_ref``)."""
     _validate(x, lora_a, out, token_indices, seg_starts, seg_slots)
     _launch(x, lora_a, out, token_indices, seg_starts, seg_slots, max_seg_len, accumulate=False)
 
@@ -82,7 +82,7 @@ def lora_expand(
     seg_slots: torch.Tensor,
     max_seg_len: int,
 ) -> None:
-    """``y[t] += buffer[t] @ lora_b[slot]^T`` per segment token; see :func:`~pagedllm.kernels.lora_reference.lora_expand_ref`."""
+    """``y[t] += buffer[t] @ lora_b[slot]^T`` per segment token (contract: ``lora_reference.lora_expand_ref``)."""
     _validate(buffer, lora_b, y, token_indices, seg_starts, seg_slots)
     _launch(buffer, lora_b, y, token_indices, seg_starts, seg_slots, max_seg_len, accumulate=True)
 

@@ -9,7 +9,8 @@ Triton-lang kernels run the segments; elsewhere one pair of torch matmuls per ad
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -67,8 +68,7 @@ class LoRALinear(nn.Module):
         if mapping is None:
             return y
         if self.use_kernels:
-            from pagedllm.kernels.lora_sgmv import lora_expand, lora_shrink
-
+            lora_shrink, lora_expand = _kernels()
             buffer = torch.empty(x.shape[0], self.lora_a.shape[1], dtype=torch.float32, device=x.device)
             segments = (mapping.token_indices, mapping.seg_starts, mapping.seg_slots, mapping.max_seg_len)
             lora_shrink(x, self.lora_a, buffer, *segments)
@@ -84,3 +84,11 @@ class LoRALinear(nn.Module):
             else:
                 y.index_add_(0, group.rows, delta)
         return y
+
+
+@functools.cache
+def _kernels() -> tuple[Callable[..., None], Callable[..., None]]:
+    """The Triton-lang shrink and expand, imported on first use: CPU-only engines never import triton for LoRA."""
+    from pagedllm.kernels.lora_sgmv import lora_expand, lora_shrink
+
+    return lora_shrink, lora_expand

@@ -32,13 +32,6 @@ class LoRAManager:
         """Check and hold ``request``'s adapter; ``ValueError`` naming what is wrong with it."""
         self.registry.add(request)
 
-    def remove(self, lora_int_id: int, running: Seq[Sequence]) -> None:
-        """Forget an adapter no running sequence uses; ``ValueError`` otherwise."""
-        if any(seq.request.lora_int_id == lora_int_id for seq in running):
-            raise ValueError(f"adapter {lora_int_id} is in use by running requests")
-        self.slots.release(lora_int_id)
-        self.registry.remove(lora_int_id)
-
     def admit(self, request: Request, running: Seq[Sequence]) -> bool:
         return self.slots.admit(request, running)
 

@@ -44,13 +44,6 @@ class AdapterRegistry:
     def request_of(self, lora_int_id: int) -> LoRARequest:
         return self._known[lora_int_id]
 
-    def remove(self, lora_int_id: int) -> None:
-        self._known.pop(lora_int_id, None)
-        self._loaded.pop(lora_int_id, None)
-
-    def known(self) -> list[LoRARequest]:
-        return list(self._known.values())
-
     def _hold(self, request: LoRARequest) -> LoRAAdapter:
         adapter = self._loaded.get(request.lora_int_id)
         if adapter is None:

@@ -23,6 +23,7 @@ class LoRARequest:
         if not isinstance(self.lora_name, str) or not self.lora_name:
             raise ValueError(f"lora_name={self.lora_name!r} is invalid: expected a non-empty string")
         if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
-            raise ValueError(f"lora_int_id={self.lora_int_id!r} is invalid: expected an integer >= 1 (0 is the base model)")
+            raise ValueError(f"lora_int_id={self.lora_int_id!r} is invalid: expected an integer >= 1 "
+                             "(0 is the base model)")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError(f"lora_path={self.lora_path!r} is invalid: expected a path to a PEFT adapter folder")

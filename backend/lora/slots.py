@@ -61,13 +61,6 @@ class AdapterSlots:
         loads, self._loads = self._loads, []
         return loads
 
-    def release(self, lora_int_id: int) -> None:
-        """Forget a removed adapter's slot (the caller makes sure no sequence still uses it)."""
-        slot = self._slot_of.pop(lora_int_id, None)
-        if slot is not None:
-            self._free.append(slot)
-            self._loads = [(s, lid) for s, lid in self._loads if lid != lora_int_id]
-
     @property
     def resident(self) -> dict[int, int]:
         return dict(self._slot_of)
