@@ -10,6 +10,7 @@ venv's LoRA support on this CPU is untested); the table says so.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
             ratio = measured["tokens_per_s"] / base["tokens_per_s"]
             results.append({"adapters": count, "rank": rank, "ratio": ratio, **measured})
             rows.append([count, rank, f"{measured['tokens_per_s']:.1f}", f"{ratio:.2f}", f"{measured['seconds']:.1f}"])
+            print(f"{count} adapter(s), rank {rank}: {measured['tokens_per_s']:.1f} tok/s, {ratio:.2f}x base",
+                  file=sys.stderr, flush=True)
     info = {**report.machine(), "model": args.size, "workload": f"long-tail/{args.scale}",
             "requests": len(workload.requests), "output_tokens": workload.num_output_tokens}
     print(report.header("Multi-LoRA throughput against the base model", info))
