@@ -107,3 +107,17 @@ def test_a_reply_cut_by_max_tokens_stays_content() -> None:
 def test_without_a_parser_tools_default_to_none_and_auto_is_refused() -> None:
     assert tool_calling(TOOLS, None, None, None) is None
     assert tool_calling(TOOLS, None, tool_call_parser("hermes"), None).mode == "auto"
+
+
+def test_a_named_functions_arguments_stream_as_they_come() -> None:
+    calling = tool_calling(TOOLS, {"type": "function", "function": {"name": "get_weather"}}, None, None)
+    builder = ResponseBuilder("chat", "m", 1, tool_calling=calling)
+    pieces = ['{"ci', 'ty": "Os', 'lo"}']
+    chunks = []
+    for index, piece in enumerate(pieces):
+        chunks += builder.chunks(reply(piece, "stop" if index == len(pieces) - 1 else None), include_usage=False)
+    parts = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks]
+    assert len(parts) == 3 and parts[0]["id"].startswith("call_") and parts[0]["function"]["name"] == "get_weather"
+    assert all("id" not in part for part in parts[1:])
+    assert json.loads("".join(part["function"]["arguments"] for part in parts)) == {"city": "Oslo"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

@@ -8,7 +8,9 @@ the engine saw and the tokens every sample generated.
 With tool calling (:mod:`pagedllm.serving.openai.tool_choice`) a chat reply's calls come back
 as ``tool_calls`` (finish reason ``tool_calls``). A stream sends content only as far as no call
 can have started, and each call, once its sample has finished, as one OpenAI tool-call delta
-(``index``, ``id``, ``type``, ``function`` with its name and whole arguments).
+(``index``, ``id``, ``type``, ``function`` with its name and whole arguments); a named
+function's arguments, which are the whole reply, stream as they come (the first delta
+carries the id and name, the next ones more ``arguments``).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pagedllm.serving.openai.tool_choice import ToolCalling
+from pagedllm.serving.openai.tool_parsers import new_call_id
 from pagedllm.serving.openai.triton_bridge import GenerateResponse, SampleDelta, TokenLogprob
 
 Kind = Literal["chat", "completion"]
@@ -28,7 +31,8 @@ class _Choice:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
-    sent: int = 0  # tool calling, streaming: characters of text already sent as content
+    sent: int = 0  # tool calling, streaming: characters of text already sent (content, or a named call's arguments)
+    call_id: str | None = None  # tool calling, streaming a named function's arguments: the call's id
 
 
 @dataclass(slots=True)
@@ -119,7 +123,10 @@ class ResponseBuilder:
         for sample in response.samples:
             choice = self._choices[sample.index]
             deltas: list[tuple[dict[str, Any], str | None]] = []
-            if sample.finish_reason is None:
+            if calling.mode == "named":
+                if len(choice.text) > choice.sent or sample.finish_reason is not None or choice.call_id is None:
+                    deltas.append(self._named_arguments(choice, calling.name or "", sample.finish_reason))
+            elif sample.finish_reason is None:
                 end = calling.content_end(choice.text)
                 if end > choice.sent:
                     deltas.append(({"content": choice.text[choice.sent:end]}, None))
@@ -142,6 +149,17 @@ class ResponseBuilder:
                     chunk["usage"] = None
                 chunks.append(chunk)
         return chunks
+
+    @staticmethod
+    def _named_arguments(choice: _Choice, name: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """The next delta of a named function's call: its arguments are the reply, sent as they come."""
+        part: dict[str, Any] = {"index": 0, "function": {"arguments": choice.text[choice.sent:]}}
+        if choice.call_id is None:
+            choice.call_id = new_call_id()
+            part = {"index": 0, "id": choice.call_id, "type": "function",
+                    "function": {"name": name, "arguments": part["function"]["arguments"]}}
+        choice.sent = len(choice.text)
+        return {"tool_calls": [part]}, "tool_calls" if finish_reason == "stop" else finish_reason
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self._envelope(stream=True), "choices": [], "usage": self.usage()}

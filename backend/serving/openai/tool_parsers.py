@@ -32,7 +32,11 @@ class ToolCall:
 
 def new_call(name: str, arguments: Any) -> ToolCall:
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(name, text, f"call_{uuid.uuid4().hex[:24]}")
+    return ToolCall(name, text, new_call_id())
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class ToolCallParser(Protocol):
