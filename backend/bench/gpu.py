@@ -162,7 +162,7 @@ def _bench(args: argparse.Namespace, checkpoint: Path, rates: list[float], batch
 
     start = time.perf_counter()
     calibration = calibrate(checkpoint, device="cuda", dtype="bfloat16", block_size=block_size,
-                            max_num_batched_tokens=args.max_num_batched_tokens)
+                            max_num_batched_tokens=args.max_num_batched_tokens, cuda_graphs=True)
     print(f"calibrated in {time.perf_counter() - start:.0f} s ({len(calibration.steps)} timed steps)\n", flush=True)
     limits = EngineLimits(num_blocks, block_size, args.max_num_seqs, args.max_num_batched_tokens)
     clock: Callable[[StepShape], float] = lambda shape: calibration.model.seconds(cost, shape)
@@ -248,7 +248,6 @@ def _print_decode(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
 def _print_plan(rows: list[dict[str, Any]], calibration: dict[str, Any]) -> None:
     print(f"## pagedllm plan (calibrated here: {calibration['source']}) against the measured runs\n")
-    print("(the calibration times engine steps without CUDA graphs: planning.calibrate has no switch for them)\n")
     print(report.markdown_table(
         ("qps", "predicted wall s", "measured wall s", "error", f"within ±{PLAN_TOLERANCE:.0%}",
          "TTFT p99 s predicted / measured", "TPOT p99 ms predicted / measured"),

@@ -73,8 +73,10 @@ class Calibration:
 
 def calibrate(model_dir: Path, device: str = "cpu", dtype: str = "auto", block_size: int = 16,
               max_num_batched_tokens: int = 2048, repeats: int = 2,
-              batches: Seq[Batch] = BATCHES) -> Calibration:
-    """Time ``model_dir``'s engine steps on ``batches`` and fit the step-time model to them."""
+              batches: Seq[Batch] = BATCHES, cuda_graphs: bool = False) -> Calibration:
+    """Time ``model_dir``'s engine steps on ``batches`` and fit the step-time model to them.
+
+    ``cuda_graphs``: time the engine as it will serve, decode steps replayed as graphs (CUDA only)."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} is invalid: expected >= 1")
     runs = (WARM_UP, *batches)
@@ -84,7 +86,8 @@ def calibrate(model_dir: Path, device: str = "cpu", dtype: str = "auto", block_s
     config = EngineConfig(model=str(model_dir), dtype=dtype, device=device, block_size=block_size,
                           num_kv_blocks=num_blocks, max_num_seqs=widest,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=longest,
-                          enable_prefix_caching=False)  # repeated passes must not hit cached prompts
+                          enable_prefix_caching=False,  # repeated passes must not hit cached prompts
+                          cuda_graphs=cuda_graphs)
     engine = LLMEngine(config)
     null = NullEngine(num_blocks, block_size, config.max_num_seqs, max_num_batched_tokens, enable_prefix_caching=False)
     generator = torch.Generator().manual_seed(0)
@@ -122,7 +125,9 @@ def calibrate(model_dir: Path, device: str = "cpu", dtype: str = "auto", block_s
     spec = spec_from_config(model_dir.name, json.loads((model_dir / "config.json").read_text()))
     name = _DTYPE_NAMES[engine.dtype]
     cost = ModelCost.of(spec, name, name)
-    source = f"calibrated on {engine.device.type} with {model_dir.name} ({name}, {torch.get_num_threads()} threads)"
+    graphs = ", CUDA graphs" if cuda_graphs else ""
+    source = (f"calibrated on {engine.device.type} with {model_dir.name} ({name}, {torch.get_num_threads()} threads"
+              f"{graphs})")
     return Calibration(fit([(s.shape, cost, s.seconds) for s in steps], source),
                        fit([(s.shape, cost, s.cpu_seconds) for s in steps], f"{source}, CPU time"), cost, tuple(steps))
 

@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     timing.add_argument("--calibrate", action="store_true",
                         help="time real engine steps on this machine (the cpu, or the local CUDA GPU) and fit the "
                              "model to them; catalog models are timed as random-weight checkpoints of their shape")
+    timing.add_argument("--cuda-graphs", action="store_true",
+                        help="with --calibrate on a GPU: time decode steps replayed as CUDA graphs, as "
+                             "engines with cuda_graphs: true serve")
     timing.add_argument("--calibration-layers", type=int, default=None,
                         help="layers of the random-weight checkpoint (default: the model's)")
     timing.add_argument("--calibration", type=Path, help="use a step-time model saved with --save-calibration")
@@ -152,12 +155,15 @@ def _step_model(args: argparse.Namespace, deployment: Any) -> Any:
     elif not torch.cuda.is_available():
         raise ValueError("--calibrate for a GPU plan times the local GPU, and torch sees none here "
                          "(use --device cpu to plan for this machine)")
+    if args.cuda_graphs and device == "cpu":
+        raise ValueError("--cuda-graphs needs a GPU plan: CUDA graphs do not run on the cpu")
     source = Path(args.model).expanduser()
     with tempfile.TemporaryDirectory(prefix="pagedllm-calibrate-") as scratch:
         if not (source / "config.json").is_file():
             source = random_checkpoint(deployment.model, Path(scratch) / deployment.model.name, args.calibration_layers)
         calibration = calibrate(source, device=device, dtype=deployment.dtype, block_size=deployment.block_size,
-                                max_num_batched_tokens=deployment.max_num_batched_tokens)
+                                max_num_batched_tokens=deployment.max_num_batched_tokens,
+                                cuda_graphs=args.cuda_graphs)
     for step in calibration.steps:
         print(f"calibration step {step.shape}: measured {1e3 * step.seconds:.2f} ms, "
               f"fitted {1e3 * calibration.fitted(step):.2f} ms", file=sys.stderr)

@@ -7,7 +7,7 @@ set -euo pipefail
 out=$1
 work=$(mktemp -d)
 PLAN=(--model Llama-3.1-8B --gpu H200 --qps 8 --prompt-len 512 --output-len longtail:64-1024 --duration 60 --json)
-pagedllm plan "${PLAN[@]}" --calibrate --calibration-layers 16 --save-calibration "$out/plan_calibration.json" \
+pagedllm plan "${PLAN[@]}" --calibrate --cuda-graphs --calibration-layers 16 --save-calibration "$out/plan_calibration.json" \
     >"$work/plan_calibrated.json" 2>"$work/calibration.log" || { tail -20 "$work/calibration.log"; exit 1; }
 tail -3 "$work/calibration.log"
 pagedllm plan "${PLAN[@]}" >"$work/plan_datasheet.json"
