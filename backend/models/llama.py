@@ -1,4 +1,5 @@
-"""Native forward of the Llama family (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""Native forward of the Llama family (Llama, Mistral, Qwen2, Qwen3, and the mixtures of experts Mixtral,
+Qwen2-MoE and Qwen3-MoE, whose sparse layers run :class:`pagedllm.models.moe.SparseMoeBlock`) over a paged KV cache.
 
 Tokens of every scheduled sequence arrive as one flat batch; attention reads
 and writes the cache only through the ``AttentionBackend`` and the step's
@@ -28,6 +29,7 @@ from pagedllm.worker.kv_quant import LayerKvScales
 from pagedllm.models.architectures import ArchitectureTraits
 from pagedllm.models.cpu_fused_ops import CpuFusedOps
 from pagedllm.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
+from pagedllm.models.moe import SparseMoeBlock, intermediate_layout
 from pagedllm.models.tensor_parallel import (ParameterSource, TensorPart, VocabParallelEmbedding, gather_vocab,
                                              model_shape)
 from pagedllm.parallel.group import SINGLE, TensorParallel
@@ -127,12 +129,26 @@ class MLP(nn.Module):
         return out if self.down_bias is None else out.add_(self.down_bias)
 
 
+def _feed_forward(config: PretrainedConfig, traits: ArchitectureTraits, fused: CpuFusedOps | None,
+                  layout: ShardLayout, tp: TensorParallel, index: int) -> nn.Module:
+    """Layer ``index``'s dense MLP, or its sparse MoE block (mixtures of experts, on their sparse layers)."""
+    moe = traits.moe
+    if moe is None or not moe.sparse_layers[index]:
+        return MLP(config, traits, fused, layout, tp)
+    shared = None
+    if moe.shared_expert_intermediate_size:
+        # No all-reduce of its own: the block reduces the shared and the routed experts' partial sums together.
+        shared = MLP(config, traits, fused, intermediate_layout(layout, moe.shared_expert_intermediate_size,
+                                                                "shared_expert_intermediate_size"), SINGLE)
+    return SparseMoeBlock(config.hidden_size, moe, layout, tp, shared)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, traits: ArchitectureTraits, attention: AttentionBackend,
-                 fused: CpuFusedOps | None, layout: ShardLayout, tp: TensorParallel) -> None:
+                 fused: CpuFusedOps | None, layout: ShardLayout, tp: TensorParallel, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, traits, attention, fused, layout, tp)
-        self.mlp = MLP(config, traits, fused, layout, tp)
+        self.mlp = _feed_forward(config, traits, fused, layout, tp, index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
@@ -163,8 +179,8 @@ class Backbone(nn.Module):
                  fused: CpuFusedOps | None, layout: ShardLayout, tp: TensorParallel) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(layout, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, traits, attention, fused, layout, tp)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, traits, attention, fused, layout, tp, index)
+                                    for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
 
@@ -214,7 +230,13 @@ class CausalLM(nn.Module):
         """Each parameter's checkpoint tensors (this rank's rows of them), concatenated along dim 0 in order."""
         layout = self.layout
         sources: dict[str, ParameterSource] = {}
+        for index, layer in enumerate(self.model.layers):
+            if isinstance(layer.mlp, SparseMoeBlock) and self.traits.moe is not None:
+                sources.update(layer.mlp.checkpoint_sources(f"model.layers.{index}.mlp.",
+                                                            f"model.layers.{index}.{self.traits.moe.block_name}."))
         for name, _ in self.named_parameters():
+            if name in sources:
+                continue
             prefix, _, leaf = name.rpartition(".")
             parts: tuple[TensorPart, ...]
             if prefix.endswith("qkv_proj"):

@@ -26,6 +26,7 @@ from pagedllm.models.cpu_dtypes import warn_if_emulated
 from pagedllm.models.cpu_fused_ops import cpu_fused_ops
 from pagedllm.models.cpu_linear import pack_linears, packed_linear, packed_linear_choice
 from pagedllm.models.llama import CausalLM
+from pagedllm.models.quantization import QuantizedWeights
 from pagedllm.models.tensor_parallel import TensorPart
 from pagedllm.parallel.group import SINGLE, TensorParallel
 
@@ -55,6 +56,7 @@ def load_model(
     packing = packed_linear_choice(dtype, device)
     config = AutoConfig.from_pretrained(model_dir)
     traits = resolve_architecture(config)
+    quantized = QuantizedWeights.of_checkpoint(config, dtype, device)  # None unless compressed-tensors
     with torch.device("meta"):
         model = CausalLM(config, traits, attention, device, cpu_fused_ops(dtype, device), tp)
     files = checkpoint_files(model_dir)
@@ -63,8 +65,9 @@ def load_model(
     with ExitStack() as stack:
         handles = {path: stack.enter_context(safe_open(str(path), framework="pt", device=str(device))) for path in files}
         location = {name: path for path, handle in handles.items() for name in handle.keys()}
-        missing = sorted(wanted - location.keys())
-        unexpected = sorted(name for name in location.keys() - wanted if not _ignorable(name, model.tie_word_embeddings))
+        missing = sorted(name for name in wanted if (quantized.stored_name(name) if quantized else name) not in location)
+        unexpected = sorted(name for name in location.keys() - wanted if not _ignorable(name, model.tie_word_embeddings)
+                            and not (quantized is not None and quantized.is_auxiliary(name)))
         if missing or unexpected:
             raise ValueError(
                 f"checkpoint {model_dir} does not match {traits.name}: "
@@ -72,7 +75,8 @@ def load_model(
                 f"unexpected tensors {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}"
             )
         state = {
-            param: _concat(_read(handles[location[part.name]], part) for part in source.parts).to(dtype)
+            param: _stacked(_concat(_read_part(handles, location, part, quantized) for part in source.parts).to(dtype),
+                            source.stack)
             for param, source in sources.items()
         }
     expected_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -123,9 +127,23 @@ def _read(handle: Any, part: TensorPart) -> torch.Tensor:
     return tensor
 
 
+def _read_part(handles: dict[Path, Any], location: dict[str, Path], part: TensorPart,
+               quantized: QuantizedWeights | None) -> torch.Tensor:
+    """:func:`_read`, or for a quantized checkpoint's quantized weight its dequantized rows
+    (:mod:`pagedllm.models.quantization`)."""
+    if quantized is not None and quantized.quantizes(part.name):
+        return quantized.load(part.name, part.rows,
+                              lambda name: handles[location[name]].get_tensor(name) if name in location else None)
+    return _read(handles[location[part.name]], part)
+
+
 def _concat(tensors: Iterator[torch.Tensor]) -> torch.Tensor:
     parts = list(tensors)
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def _stacked(tensor: torch.Tensor, stack: int) -> torch.Tensor:
+    return tensor if stack == 0 else tensor.view(stack, -1, *tensor.shape[1:])
 
 
 def _ignorable(name: str, tied: bool) -> bool:

@@ -29,9 +29,14 @@ class TensorPart:
 
 @dataclass(frozen=True, slots=True)
 class ParameterSource:
-    """A parameter's checkpoint parts, concatenated along dim 0 in order (q|k|v, gate|up)."""
+    """A parameter's checkpoint parts, concatenated along dim 0 in order (q|k|v, gate|up).
+
+    ``stack`` > 0: the concatenation is that many equal blocks stacked on a new first dimension (a layer's
+    experts: ``[E, rows, cols]``).
+    """
 
     parts: tuple[TensorPart, ...]
+    stack: int = 0
 
 
 def model_shape(config: PretrainedConfig) -> ModelShape:
