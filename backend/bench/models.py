@@ -23,18 +23,18 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pagedllm" / "bench")
 
 
-def bench_model(size: str) -> Path:
-    """Directory of the ``size`` checkpoint, built on first use."""
+def bench_model(size: str, arch: str = ARCH) -> Path:
+    """Directory of the ``size`` checkpoint of ``arch`` (a ``make_tiny_model`` architecture), built on first use."""
     if size not in SIZES:
         raise ValueError(f"size={size!r} is invalid: expected one of {', '.join(SIZES)}")
-    target = cache_dir() / f"{ARCH}-{size}-seed{SEED}"
+    target = cache_dir() / f"{arch}-{size}-seed{SEED}"
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename, so a concurrent run never sees half a checkpoint.
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        make_tiny_model(staging, arch=ARCH, seed=SEED, size=size)
+        make_tiny_model(staging, arch=arch, seed=SEED, size=size)
         try:
             staging.rename(target)
         except OSError:
