@@ -75,7 +75,8 @@ def load_model(
                 f"unexpected tensors {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}"
             )
         state = {
-            param: _concat(_read_part(handles, location, part, quantized) for part in source.parts).to(dtype)
+            param: _stacked(_concat(_read_part(handles, location, part, quantized) for part in source.parts).to(dtype),
+                            source.stack)
             for param, source in sources.items()
         }
     expected_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -139,6 +140,10 @@ def _read_part(handles: dict[Path, Any], location: dict[str, Path], part: Tensor
 def _concat(tensors: Iterator[torch.Tensor]) -> torch.Tensor:
     parts = list(tensors)
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def _stacked(tensor: torch.Tensor, stack: int) -> torch.Tensor:
+    return tensor if stack == 0 else tensor.view(stack, -1, *tensor.shape[1:])
 
 
 def _ignorable(name: str, tied: bool) -> bool:
