@@ -167,7 +167,7 @@ def _random_model_case(num_prompts: int, context: int) -> Case:
     from pagedllm.testing.tokenizer_training import python_stdlib_texts
     from transformers import AutoTokenizer
 
-    target = cache_dir() / "llama-tiny-long-context"
+    target = cache_dir() / f"llama-tiny-context-{2 * context}"
     if not (target / "model.safetensors").is_file():
         make_tiny_model(target, overrides={"max_position_embeddings": 2 * context})
     tokenizer = AutoTokenizer.from_pretrained(target)
