@@ -179,7 +179,8 @@ def spec_from_config(name: str, config: dict[str, Any]) -> ModelSpec:
 def _experts_from_config(model_type: str, config: dict[str, Any]) -> dict[str, int]:
     """The MoE fields of a Mixtral or Qwen MoE ``config.json`` (dense layers by transformers' rule); ``{}`` else."""
     if model_type == "mixtral":
-        return {"num_experts": int(config["num_local_experts"]), "experts_per_token": int(config["num_experts_per_tok"]),
+        return {"num_experts": int(config["num_local_experts"]),
+                "experts_per_token": int(config["num_experts_per_tok"]),
                 "expert_intermediate_size": int(config["intermediate_size"])}
     if model_type not in ("qwen2_moe", "qwen3_moe"):
         return {}
