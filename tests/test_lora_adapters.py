@@ -169,3 +169,18 @@ def test_named_adapters_keep_their_ids_and_follow_the_file(base: Path, tmp_path:
         LoRAModules.from_file(file)
     with pytest.raises(ValueError, match="expected NAME=PATH"):
         parse_lora_modules(["no-path"])
+
+
+def test_moe_model_serves_attention_adapters_and_refuses_expert_ones(tiny_model_dir: Callable[[str], Path],
+                                                                    tmp_path: Path) -> None:
+    moe = tiny_model_dir("mixtral")
+    attention = make_random_adapter(moe, tmp_path / "attn", 8, 16, seed=0, std=0.3,
+                                    target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
+    experts = make_random_adapter(moe, tmp_path / "mlp", 8, 16, seed=1, target_modules=("q_proj", "down_proj"))
+    llm = LLM(model=str(moe), enable_lora=True, max_lora_rank=16, num_kv_blocks=32)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 17, 300, 42, 9]}
+    adapted, plain = llm.generate([prompt, prompt], params, lora_request=[LoRARequest("attn", 1, str(attention)), None])
+    assert adapted.outputs[0].token_ids != plain.outputs[0].token_ids
+    with pytest.raises(ValueError, match="'down_proj' of a mixture-of-experts block"):
+        llm.generate(prompt, params, lora_request=LoRARequest("mlp", 2, str(experts)))

@@ -18,6 +18,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import PretrainedConfig
 
+from pagedllm.models.moe_traits import MOE_MODEL_TYPES
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -67,8 +69,7 @@ def config_model_shape(config: PretrainedConfig) -> BaseModelShape:
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     features = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
                 "gate_proj": (hidden, mlp), "up_proj": (hidden, mlp), "down_proj": (mlp, hidden)}
-    moe = any(hasattr(config, key) for key in ("num_experts", "num_local_experts"))
-    return BaseModelShape(config.num_hidden_layers, features, moe)
+    return BaseModelShape(config.num_hidden_layers, features, config.model_type in MOE_MODEL_TYPES)
 
 
 def load_adapter(name: str, path: str | Path, shape: BaseModelShape, max_lora_rank: int) -> LoRAAdapter:
