@@ -102,21 +102,21 @@ def offline(model_dir: Path) -> LLM:
     return LLM(model=str(model_dir), **ENGINE_ARGS)
 
 
-@pytest.fixture(scope="module")
-def serve(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
-    root = tmp_path_factory.mktemp("recovery")
+def start_serve(root: Path, model_json: dict[str, object], *args: str) -> Serve:
+    """``pagedllm serve`` of one model ``llm`` (its ``model.json`` as given) with a supervision folder and fault
+    injection, on free ports; returns once it says it is ready (``stop_serve`` ends it)."""
     version = root / "repo" / "llm" / "1"
     version.mkdir(parents=True)
     (root / "repo" / "llm" / "config.pbtxt").write_text(
         (REPO_ROOT / "model_repository" / "llm" / "config.pbtxt").read_text())
-    (version / "model.json").write_text(json.dumps({"model": str(model_dir), **ENGINE_ARGS}))
+    (version / "model.json").write_text(json.dumps(model_json))
     (root / "supervision").mkdir()
     grpc, http, metrics, health = free_port(), free_port(), free_port(), free_port()
     env = {**os.environ, DIR_VARIABLE: str(root / "supervision"), FAULT_INJECTION_VARIABLE: "1"}
     process = subprocess.Popen(
         [sys.executable, "-m", "pagedllm.cli", "serve", "--model-repository", str(root / "repo"), "--host", "127.0.0.1",
-         "--grpc-port", str(grpc), "--http-port", str(http), "--metrics-port", str(metrics), "--max-reloads", "1",
-         "--health-port", str(health)],
+         "--grpc-port", str(grpc), "--http-port", str(http), "--metrics-port", str(metrics),
+         "--health-port", str(health), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     output: list[str] = []
@@ -124,21 +124,36 @@ def serve(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     running = Serve(process, output, SupervisionFolder(root / "supervision"), version / "model.json",
                     f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}", f"http://127.0.0.1:{metrics}/metrics",
                     f"http://127.0.0.1:{health}/health")
+    deadline = time.monotonic() + 300
+    while not any("Ctrl-C stops the server" in line for line in output):
+        if process.poll() is not None or time.monotonic() > deadline:
+            stop_serve(running)
+            raise AssertionError("".join(output[-40:]))
+        time.sleep(0.2)
+    return running
+
+
+def stop_serve(serve: Serve) -> None:
+    """SIGINT, as a user's Ctrl-C; killed if it has not exited within a minute."""
+    if serve.process.poll() is None:
+        serve.process.send_signal(signal.SIGINT)
+        try:
+            serve.process.wait(60)
+        except subprocess.TimeoutExpired:
+            serve.process.kill()
+            serve.process.wait()
+
+
+@pytest.fixture(scope="module")
+def serve(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    running = start_serve(tmp_path_factory.mktemp("recovery"), {"model": str(model_dir), **ENGINE_ARGS},
+                          "--max-reloads", "1")
     try:
-        deadline = time.monotonic() + 300
-        while not any("Ctrl-C stops the server" in line for line in output):
-            assert process.poll() is None and time.monotonic() < deadline, "".join(output[-40:])
-            time.sleep(0.2)
         yield running
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        print("".join(line for line in output if "pagedllm" in line or "error" in line or "loading" in line)[-6000:])
+        stop_serve(running)
+        print("".join(line for line in running.output
+                      if "pagedllm" in line or "error" in line or "loading" in line)[-6000:])
 
 
 STREAM_TOKENS = 200

@@ -14,12 +14,8 @@ keeps the exact streams, the killed worker and the crash loop;
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,15 +24,14 @@ import pytest
 import requests
 
 pytest.importorskip("tritonclient.grpc")
-from test_triton_recovery import (REPO_ROOT, Serve, check_cut_or_whole, close_all, in_flight,  # noqa: E402
-                                  start_streams, wait_until)
+from test_triton_recovery import (Serve, check_cut_or_whole, close_all, in_flight, start_serve,  # noqa: E402
+                                  start_streams, stop_serve, wait_until)
 from test_triton_server import StreamClient, greedy, make_inputs  # noqa: E402
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.engine.core_process import CHILD_MARKER  # noqa: E402
 from pagedllm.parallel.workers import WORKER_MARKER  # noqa: E402
 from pagedllm.serving.server import child_pids, free_port  # noqa: E402
-from pagedllm.serving.supervision import DIR_VARIABLE, FAULT_INJECTION_VARIABLE, SupervisionFolder  # noqa: E402
 
 pytestmark = pytest.mark.tritonserver
 
@@ -57,45 +52,10 @@ def offline(model_dir: Path) -> LLM:
 
 
 def _start(model_dir: Path, root: Path, openai_port: int | None = None) -> Serve:
-    version = root / "repo" / "llm" / "1"
-    version.mkdir(parents=True)
-    (root / "repo" / "llm" / "config.pbtxt").write_text(
-        (REPO_ROOT / "model_repository" / "llm" / "config.pbtxt").read_text())
-    (version / "model.json").write_text(json.dumps({"model": str(model_dir), "tensor_parallel_size": 2,
-                                                     **ENGINE_ARGS}))
-    (root / "supervision").mkdir()
-    grpc, http, metrics, health = free_port(), free_port(), free_port(), free_port()
-    env = {**os.environ, DIR_VARIABLE: str(root / "supervision"), FAULT_INJECTION_VARIABLE: "1"}
     extra = ["--openai-port", str(openai_port)] if openai_port is not None else []
     # Every death in this module comes soon after the last restart: each is a crash loop.
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.cli", "serve", "--model-repository", str(root / "repo"), "--host", "127.0.0.1",
-         "--grpc-port", str(grpc), "--http-port", str(http), "--metrics-port", str(metrics),
-         "--max-reloads", str(MAX_RELOADS), "--crash-loop-s", "3600", "--health-port", str(health), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
-    output: list[str] = []
-    threading.Thread(target=lambda: output.extend(iter(process.stdout.readline, "")), daemon=True).start()
-    running = Serve(process, output, SupervisionFolder(root / "supervision"), version / "model.json",
-                    f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}", f"http://127.0.0.1:{metrics}/metrics",
-                    f"http://127.0.0.1:{health}/health")
-    deadline = time.monotonic() + 300
-    while not any("Ctrl-C stops the server" in line for line in output):
-        if process.poll() is not None or time.monotonic() > deadline:
-            _stop(running)
-            raise AssertionError("".join(output[-40:]))
-        time.sleep(0.2)
-    return running
-
-
-def _stop(serve: Serve) -> None:
-    if serve.process.poll() is None:
-        serve.process.send_signal(signal.SIGINT)
-        try:
-            serve.process.wait(60)
-        except subprocess.TimeoutExpired:
-            serve.process.kill()
-            serve.process.wait()
+    return start_serve(root, {"model": str(model_dir), "tensor_parallel_size": 2, **ENGINE_ARGS},
+                       "--max-reloads", str(MAX_RELOADS), "--crash-loop-s", "3600", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +69,7 @@ def serve(model_dir: Path, openai_port: int, tmp_path_factory: pytest.TempPathFa
     try:
         yield running
     finally:
-        _stop(running)
+        stop_serve(running)
         print("".join(line for line in running.output if "pagedllm" in line or "rror" in line)[-6000:])
 
 
@@ -237,7 +197,7 @@ def test_sigint_with_streams_in_flight_ends_every_process_and_leaves_no_shm(mode
         finally:
             close_all(clients)
     finally:
-        _stop(serve)
+        stop_serve(serve)
     left = sorted(region for region in regions if Path(region).exists())
     assert not left, f"shared memory left behind: {left}"
 
