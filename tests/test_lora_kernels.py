@@ -61,8 +61,8 @@ def test_bfloat16_output_accumulates_in_float32() -> None:
     seq_slots, query_lens = np.array([1, BASE_SLOT, 1, 0]), np.array([3, 2, 17, 1])
     mapping = build_lora_mapping(seq_slots, query_lens, torch.device("cpu"))
     assert mapping is not None
-    assert [len(range(*g.rows.indices(23))) if isinstance(g.rows, slice) else len(g.rows) for g in mapping.groups] \
-        == [1, 20]
+    assert [(span.slot, span.stop - span.start) for span in mapping.spans] == [(0, 1), (1, 20)]
+    assert mapping.rows.tolist() == [22, 0, 1, 2, *range(5, 22)]
     g = torch.Generator().manual_seed(3)
     buffer = torch.randn(23, 8, generator=g)
     lora_b = torch.randn(2, 32, 8, generator=g).bfloat16()

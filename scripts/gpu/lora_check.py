@@ -86,10 +86,12 @@ for num_seqs, max_len in ((1, 1), (16, 1), (64, 1), (256, 1), (16, 128)):
         lora_shrink(x, a, buffer, *segments)
         lora_expand(buffer, b, y, *segments)
 
+    order = mapping.token_indices.long()
+
     def loop() -> None:
-        for group in mapping.groups:
-            rows = group.rows if isinstance(group.rows, slice) else group.rows.to(cuda)
-            y[rows] += (x[rows] @ a[group.slot].T) @ b[group.slot].T
+        for span in mapping.spans:
+            rows = order[span.start : span.stop]
+            y[rows] += (x[rows] @ a[span.slot].T) @ b[span.slot].T
 
     print(f"| {tokens} | {median_ms(kernels):.3f} | {median_ms(loop):.3f} |")
 
