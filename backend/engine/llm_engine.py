@@ -19,25 +19,17 @@ from pagedllm.core.request import Request, Sequence, SequenceStatus
 from pagedllm.core.scheduler import BeamBatch, Scheduler, SchedulerOutput
 from pagedllm.core.stop_policy import StopPolicy
 from pagedllm.engine.admission import AdmissionLimits, check_request, tokenize_prompt
+from pagedllm.engine.device_side import set_up_device_side
 from pagedllm.engine.gc_tuning import collect_young_less_often
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.engine.structured_outputs import StructuredOutputs
 from pagedllm.engine.prompt_logprobs import PromptLogprobsCollector
-from pagedllm.lora.manager import LoRAManager
 from pagedllm.lora.request import LoRARequest
 from pagedllm.model_source import resolve_model_dir
-from pagedllm.models import CausalLM, load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cpu_memory import keep_freed_memory
-from pagedllm.worker.attention_backend import attention_backend_named, select_attention_backend
 from pagedllm.worker.beam_sampler import beam_candidates
-from pagedllm.worker.model_runner import BatchLimits, ModelRunner, kv_budget_bytes
-from pagedllm.worker.kv_quant import prepare_kv_cache
-from pagedllm.models.loader import checkpoint_files
-from pagedllm.models.quantization import checkpoint_kv_cache_scales
-from pagedllm.parallel.group import SINGLE
-from pagedllm.parallel.workers import LoadSpec, RunnerSpec, WorkerGroup, check_size
 from pagedllm.worker.sampler import (PenaltyState, SampledToken, Sampler, SamplingRow, make_generator,
                                      needs_penalties)
 
@@ -86,36 +78,12 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
             resolve_model_dir(config.tokenizer, config.revision, field="tokenizer") if config.tokenizer else model_dir)
-        attention = (select_attention_backend(self.device) if config.attention_backend == "auto"
-                     else attention_backend_named(config.attention_backend))
-        checkpoint_dtype = _checkpoint_dtype(model_dir)
-        self.dtype = config.torch_dtype(checkpoint_dtype)
+        side = set_up_device_side(config, model_dir)
+        self.dtype, self.model, self.runner = side.dtype, side.model, side.runner
+        self.kv_cache_dtype, self.max_model_len, self.lora = side.kv_cache_dtype, side.max_model_len, side.lora
         # Rank 0 of a tensor-parallel group is this engine; the other ranks only run forwards (pagedllm.parallel).
-        self.workers: WorkerGroup | None = None
-        tp = SINGLE
-        if config.tensor_parallel_size > 1:
-            check_size(config.tensor_parallel_size, self.device, str(model_dir))
-            self.workers = WorkerGroup(config.tensor_parallel_size, self.device)
-            self.workers.send(LoadSpec(config, str(model_dir), self.dtype, attention.name))
-            tp = self.workers.tp
-        try:
-            self.model: CausalLM = load_model(model_dir, self.dtype, self.device, attention, tp)
-            self.kv_cache_dtype = prepare_kv_cache(
-                self.model.model.layers, config.kv_cache_dtype, self.dtype, self.device,
-                checkpoint_kv_cache_scales(model_dir, checkpoint_files(model_dir), self.model.num_layers),
-                config.calculate_kv_scales)
-            self.max_model_len = _max_model_len(self.model, config.max_model_len)
-            num_blocks = self._num_kv_blocks()
-            if self.workers is not None:
-                self.workers.send(RunnerSpec(num_blocks, self.max_model_len))
-            limits = BatchLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
-            self.lora = (LoRAManager(self.model, config.max_loras, config.max_lora_rank,
-                                     config.max_cpu_loras or config.max_loras) if config.enable_lora else None)
-            self.runner = ModelRunner(self.model, attention, num_blocks, config.block_size, self.kv_cache_dtype,
-                                      self.device, limits, cuda_graphs=config.cuda_graphs, lora=self.lora)
-        except BaseException:
-            self.close()
-            raise
+        self.workers = side.workers
+        num_blocks = side.num_blocks
         self.eos_token_ids = _eos_token_ids(model_dir, self.tokenizer)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -439,49 +407,11 @@ class LLMEngine:
         held = sum(seq.num_computed_tokens for seq in self.scheduler.running)
         self._peak_tokens_held = held + out.num_tokens
 
-    def _num_kv_blocks(self) -> int:
-        config = self.config
-        if config.num_kv_blocks is not None:
-            return config.num_kv_blocks
-        per_block = ModelRunner.bytes_per_block(self.model, config.block_size, self.kv_cache_dtype)
-        # Never reserve more than every sequence at full length could ever use.
-        enough = config.max_num_seqs * -(-self.max_model_len // config.block_size)
-        # Every rank holds the same blocks, so the cache is as large as the smallest rank's budget allows.
-        budget = self.model.tp.min_int(kv_budget_bytes(config, self.device))
-        blocks = min(budget // per_block, enough)
-        if blocks < 1:
-            raise ValueError(f"no memory left for the KV cache ({budget} bytes for {per_block}-byte blocks)")
-        return blocks
-
 
 def _beam_search_of(request: Request) -> BeamSearch:
     if request.beam_search is None:
         raise RuntimeError(f"request {request.request_id} is not a beam search")
     return request.beam_search
-
-
-def _checkpoint_dtype(model_dir: Path) -> torch.dtype | None:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir)
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(dtype, str):
-        return getattr(torch, dtype, None)
-    return dtype
-
-
-def _max_model_len(model: CausalLM, requested: int | None) -> int:
-    limit = getattr(model.config, "max_position_embeddings", None)
-    # Sliding-window attention is not implemented: contexts stay within the window.
-    if model.sliding_window is not None:
-        limit = model.sliding_window if limit is None else min(limit, model.sliding_window)
-    if requested is None:
-        if limit is None:
-            raise ValueError("the model config has no max_position_embeddings: set max_model_len")
-        return int(limit)
-    if limit is not None and requested > limit:
-        raise ValueError(f"max_model_len={requested} is larger than the model's max_position_embeddings={limit}")
-    return requested
 
 
 def _eos_token_ids(model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

@@ -1,6 +1,6 @@
 """KV block math: weight bytes, KV bytes per token, how many blocks fit, and what that allows.
 
-The engine sizes its cache as ``LLMEngine._num_kv_blocks`` does: on a GPU,
+The engine sizes its cache as ``engine.device_side._num_kv_blocks`` does: on a GPU,
 ``memory × gpu_memory_utilization − weights − runtime reserve``; on the CPU,
 ``kv_cache_memory_gb`` (1 GiB by default). ``max_concurrency`` is vLLM's
 start-up figure, ``kv_tokens / max_model_len``: how many requests of the
