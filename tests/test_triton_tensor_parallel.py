@@ -9,8 +9,9 @@ exits 1 naming it. A second server shows that SIGINT with streams in flight ends
 every process within 30 s and leaves no shared-memory region behind.
 
 Each restart reloads a two-rank engine (~30 s on two busy cores), so the default run
-keeps the exact streams, the killed worker and the crash loop;
-``PAGEDLLM_FULL_TP_SERVER=1`` adds the killed stub and the SIGINT server.
+keeps the exact streams and the killed worker (the crash-loop rule itself is unit-tested in
+``test_triton_recovery_units.py``); ``PAGEDLLM_FULL_TP_SERVER=1`` adds the killed stub, the
+crash loop and the SIGINT server.
 """
 from __future__ import annotations
 
@@ -156,6 +157,7 @@ def test_a_killed_worker_fails_the_streams_naming_its_rank_and_the_engine_comes_
     wait_until(lambda: serve.restarts() == restarts_before + 1, timeout_s=30, interval_s=0.2)
 
 
+@full_only
 def test_a_worker_that_dies_after_every_restart_ends_serve_naming_the_cause(serve: Serve) -> None:
     for _ in range(MAX_RELOADS):  # the previous test's death already counted as one
         wait_until(lambda: serve.process.poll() is not None or (len(workers(serve)) == 1 and serve.ready()),
