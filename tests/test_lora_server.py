@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ import requests
 openai = pytest.importorskip("openai")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
+from serve_process import follow, kill, wait_ready  # noqa: E402
 from pagedllm import LLM, LoRARequest, SamplingParams  # noqa: E402
 from pagedllm.serving.server import free_port  # noqa: E402
 from pagedllm.testing.lora_adapters import make_random_adapter  # noqa: E402
@@ -70,17 +70,12 @@ def serve(checkpoint: Path, adapters: dict[str, Path], tmp_path_factory: pytest.
                "--http-port", str(http), "--metrics-port", str(metrics), "--openai-port", str(port)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     running = Serve(process, f"127.0.0.1:{grpc}", f"http://127.0.0.1:{port}/v1", adapters)
-    threading.Thread(target=lambda: running.output.extend(iter(process.stdout.readline, "")), daemon=True).start()
+    follow(process, running.output)
     try:
-        deadline = time.monotonic() + 300
-        while not any("Ctrl-C stops the server" in line for line in running.output):
-            assert process.poll() is None and time.monotonic() < deadline, "".join(running.output[-40:])
-            time.sleep(0.2)
+        wait_ready(process, running.output)
         yield running
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        kill(process)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ openai = pytest.importorskip("openai")
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase  # noqa: E402
 
+from serve_process import follow, kill, wait_ready  # noqa: E402
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.serving.server import child_pids, free_port  # noqa: E402
 from pagedllm.testing.hub_cache import add_to_hub_cache  # noqa: E402
@@ -77,17 +77,12 @@ def serve(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                "--http-port", str(http), "--metrics-port", str(metrics), "--openai-port", str(port)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     running = Serve(process, tmpdir, f"http://127.0.0.1:{port}/v1", f"http://127.0.0.1:{metrics}/metrics")
-    threading.Thread(target=lambda: running.output.extend(iter(process.stdout.readline, "")), daemon=True).start()
+    follow(process, running.output)
     try:
-        deadline = time.monotonic() + 300
-        while not any("Ctrl-C stops the server" in line for line in running.output):
-            assert process.poll() is None and time.monotonic() < deadline, "".join(running.output[-40:])
-            time.sleep(0.2)
+        wait_ready(process, running.output)
         yield running
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        kill(process)
 
 
 @pytest.fixture(scope="module")

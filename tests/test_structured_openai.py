@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from pydantic import BaseModel, Field  # noqa: E402
 
 from transformers import AutoTokenizer  # noqa: E402
 
+from serve_process import follow, kill, wait_ready  # noqa: E402
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.serving.server import free_port  # noqa: E402
 from pagedllm.testing.hub_cache import add_to_hub_cache  # noqa: E402
@@ -97,17 +97,12 @@ def serve(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     running = StructuredServe(process, tmpdir, f"http://127.0.0.1:{port}/v1", f"http://127.0.0.1:{metrics}/metrics",
                               grpc_url=f"127.0.0.1:{grpc}")
-    threading.Thread(target=lambda: running.output.extend(iter(process.stdout.readline, "")), daemon=True).start()
+    follow(process, running.output)
     try:
-        deadline = time.monotonic() + 300
-        while not any("Ctrl-C stops the server" in line for line in running.output):
-            assert process.poll() is None and time.monotonic() < deadline, "".join(running.output[-40:])
-            time.sleep(0.2)
+        wait_ready(process, running.output)
         yield running
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        kill(process)
 
 
 @pytest.fixture(scope="module")
