@@ -7,7 +7,7 @@ width, the seconds and the beam tokens computed per second (width x new
 tokens per prompt), which ``pagedllm bench sharing`` prints beside its own.
 
 usage (from the venv's folder, as vllm_cpu_bench.sh runs vLLM, so the checkout is not on sys.path):
-    cd ~/.cache/pagedllm/vllm-cpu-venv && OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind \\
+    cd ~/.cache/pagedllm/vllm-cpu-venv && VLLM_TARGET_DEVICE=cpu OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind \\
     bin/python $REPO/scripts/vllm_cpu_beam.py --model $REPO/backend/default_model --out $REPO/docs/results \\
         [--widths 2,4,8 --prompts 8 --prompt-len 128 --max-tokens 64 --threads 1]
 """

