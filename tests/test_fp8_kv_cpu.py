@@ -2,6 +2,8 @@
 as the reference does, and the write quantizes as the reference does."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -75,13 +77,30 @@ def test_kv_scales_are_measured_once_with_headroom_and_checked() -> None:
     assert scales.pending
     scales.measure(torch.full((3, 1, 4), -8.96), torch.full((3, 1, 4), 0.448))
     assert not scales.pending
-    torch.testing.assert_close(scales.k, torch.tensor([8.96 * 2 / 448]))
-    torch.testing.assert_close(scales.v, torch.tensor([0.448 * 2 / 448]))
+    # The smallest power of two that maps twice the largest magnitude into e4m3's range (448).
+    assert float(scales.k) == 2.0 ** -4  # 2 * 8.96 / 448 = 0.04 <= 1/16
+    assert float(scales.v) == 2.0 ** -8  # 2 * 0.448 / 448 = 0.002 <= 1/256
     assert make_kv_scales(2, torch.float32, torch.device("cpu"), calculate=True) is None
     with pytest.raises(ValueError, match="k_scale"):
         LayerKvScales(float("nan"), 1.0, torch.float8_e4m3fn, torch.device("cpu"), pending=False)
     with pytest.raises(ValueError, match="layers \\[1\\]"):
         make_kv_scales(2, torch.float8_e4m3fn, torch.device("cpu"), {0: (1.0, 1.0)})
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=["e4m3", "e5m2"])
+def test_a_measured_scale_stores_no_value_less_exactly_than_scale_one(dtype: torch.dtype) -> None:
+    """The measured scale is a power of two: its grid holds 1.0's, and more points where 1.0 is subnormal."""
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(8192, generator=generator) * torch.logspace(-5, 1.3, 8192)  # |x| from 1e-6 to ~80
+    (scales,) = make_kv_scales(1, dtype, torch.device("cpu"), calculate=True)
+    scales.measure(values.view(-1, 1, 1), values.view(-1, 1, 1))
+    assert float(scales.k) < 1.0 and math.log2(float(scales.k)).is_integer()
+    measured = (quantize_kv_ref(values, scales.k, dtype).float() * scales.k - values).abs()
+    unit = (quantize_kv_ref(values, 1.0, dtype).float() - values).abs()
+    assert bool((measured <= unit).all())
+    assert bool((measured < unit).any())  # the values 1.0 leaves subnormal
+    normal = values.abs() >= torch.finfo(dtype).smallest_normal
+    assert torch.equal(measured[normal], unit[normal])  # every normal value rounds as with 1.0
 
 
 @pytest.mark.parametrize("dtype", FP8_DTYPES, ids=["e4m3", "e5m2"])

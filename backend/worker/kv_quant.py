@@ -7,6 +7,18 @@ them (compressed-tensors' KV-cache scheme), else they are 1.0, or, with
 ``calculate_kv_scales``, they are measured on the first prefill the engine runs. Every layer's
 scales are fp32 one-element tensors on the cache's device, so kernels read them as data and a
 measured scale changes no compiled kernel or captured graph.
+
+A measured scale is a power of two: the smallest one that maps twice the first prefill's
+largest |K| (|V|) into the format's range. An 8-bit float format is a floating-point grid, so
+dividing by a power of two moves values between binades without changing how any normal value
+rounds: the measured exponent only decides where the range ends. Where 1.0 already holds twice
+the largest value, the measured scale is at most 1.0 and its grid holds every point of 1.0's
+grid below that bound (and finer ones where 1.0 leaves values subnormal), so no such K or V value
+is stored less exactly than with 1.0; where 1.0 does not, the measured scale keeps the values
+from saturating. A scale that is not a power of two (largest value / 448, or vLLM's largest
+value / 200 for K and / 100 for V) shifts the grid against the values: on the embedded model
+that rounds a different 0.1-0.2% of near-tied next tokens the other way (RESULTS, "FP8 KV
+cache"), a change no principle makes better or worse.
 """
 from __future__ import annotations
 
@@ -18,8 +30,8 @@ from torch import nn
 from pagedllm.kernels.reference import FP8_DTYPES
 
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-# A measured scale maps this multiple of the first prefill's largest |K| (or |V|) to the format's largest value:
-# later tokens may be larger than any seen so far, and saturating them costs more than a coarser grid.
+# A measured scale maps at least this multiple of the first prefill's largest |K| (or |V|) to the format's largest
+# value: later tokens may be larger than any seen so far, and saturating them costs more than a coarser grid.
 MEASURED_SCALE_HEADROOM = 2.0
 
 
@@ -47,11 +59,12 @@ class LayerKvScales:
         self.pending = pending
 
     def measure(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Set both scales from this prefill's keys and values, in place, once."""
+        """Set both scales from this prefill's keys and values, in place, once (on the device: no host sync)."""
         largest = torch.finfo(self.cache_dtype).max
         tiny = torch.finfo(torch.float32).tiny
         for scale, rows in ((self.k, key), (self.v, value)):
-            scale.copy_(rows.detach().abs().amax().float().clamp(min=tiny) * (MEASURED_SCALE_HEADROOM / largest))
+            wanted = rows.detach().abs().amax().float().clamp(min=tiny) * (MEASURED_SCALE_HEADROOM / largest)
+            scale.copy_(torch.exp2(torch.ceil(torch.log2(wanted))))
         self.pending = False
 
 
