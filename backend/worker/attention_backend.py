@@ -24,6 +24,7 @@ from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.worker.cpu_attention import CpuPagedAttention, new_cpu_cache
 from pagedllm.worker.cpu_attention_plan import plan_cpu_attention
 from pagedllm.worker.native_decode import load_native_decode
+from pagedllm.worker.native_prefill import load_native_prefill
 
 # Set to "1" to run the Triton-lang kernels even on CPU (with TRITON_INTERPRET=1).
 FORCE_TRITON_ENV = "PAGEDLLM_FORCE_TRITON"
@@ -74,10 +75,11 @@ BACKEND_NAMES = ("torch", "triton", "torch-reference")
 def torch_backend(native: bool = True) -> AttentionBackend:
     """The production CPU backend; each one owns its own reusable gather buffers.
 
-    ``native`` runs float32 decodes in the compiled routine when it can be built
-    (:mod:`pagedllm.worker.native_decode`); ``False`` keeps every step in plain torch.
+    ``native`` runs float32 decodes, and the prefill chunks it is faster for, in the compiled
+    routines when they can be built (:mod:`pagedllm.worker.native_decode`,
+    :mod:`pagedllm.worker.native_prefill`); ``False`` keeps every step in plain torch.
     """
-    attention = CpuPagedAttention(load_native_decode() if native else None)
+    attention = CpuPagedAttention(load_native_decode() if native else None, load_native_prefill() if native else None)
     return AttentionBackend("torch", plan_cpu_attention, attention.attend, attention.write_kv, copy_blocks_ref,
                             new_cpu_cache)
 

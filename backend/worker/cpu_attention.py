@@ -39,6 +39,7 @@ from pagedllm.worker.attention_metadata import AttentionMetadata
 from pagedllm.worker.cpu_memory import advise_huge_pages
 from pagedllm.worker.cpu_attention_plan import CpuAttentionPlan, DecodeBatch, SharedPrefix
 from pagedllm.worker.native_decode import NativeDecode
+from pagedllm.worker.native_prefill import NativePrefill
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -132,12 +133,15 @@ class CpuPagedAttention:
     """Runs a planned step's attention; owns the gather and scratch buffers reused across layers and steps.
 
     With ``native`` (:func:`pagedllm.worker.native_decode.load_native_decode`), float32 decodes
-    run in the compiled routine, which reads their blocks in place; everything else, and
-    every decode when ``native`` is ``None``, runs in torch.
+    run in the compiled routine, which reads their blocks in place; with ``native_prefill``
+    (:func:`pagedllm.worker.native_prefill.load_native_prefill`), so do the float32 prefill
+    chunks the plan's crossover rule gives it. Everything else, and everything when both
+    are ``None``, runs in torch.
     """
 
-    def __init__(self, native: NativeDecode | None = None) -> None:
+    def __init__(self, native: NativeDecode | None = None, native_prefill: NativePrefill | None = None) -> None:
         self._native = native
+        self._native_prefill = native_prefill
         self._buffers: dict[tuple[str, torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = {}
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -169,8 +173,10 @@ class CpuPagedAttention:
                              "step and pass its result to every layer")
         num_tokens, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        native = self._native if _native_fits(q, k_cache, v_cache) else None
-        layout = plan.layout(block_size, q.dtype, native is not None)
+        fits = _native_fits(q, k_cache, v_cache)
+        native = self._native if fits else None
+        native_prefill = self._native_prefill if fits and head_dim % 16 == 0 else None
+        layout = plan.layout(block_size, q.dtype, native is not None, native_prefill is not None)
         group = num_heads // num_kv_heads
 
         if layout.decodes_in_order:
@@ -183,9 +189,14 @@ class CpuPagedAttention:
         lse = (self._reused(("lse", torch.float32, q.device, ()), num_tokens * num_heads).view(num_tokens, num_heads)
                if layout.shared_prefixes or layout.native_decodes is not None else None)
         if native is not None and layout.native_decodes is not None:
-            native(q.contiguous(), _head_major(k_cache), _head_major(v_cache), layout.native_decodes, scale, out, lse,
+            q = q.contiguous()
+            native(q, _head_major(k_cache), _head_major(v_cache), layout.native_decodes, scale, out, lse,
                    _scale_value(k_scale), _scale_value(v_scale))
-        if not layout.block_ids.numel():  # the usual step: the compiled routine read every decode in place
+        if native_prefill is not None and layout.native_prefills is not None:
+            q = q.contiguous()
+            native_prefill(q, _head_major(k_cache), _head_major(v_cache), layout.native_prefills, scale, out, None,
+                           _scale_value(k_scale), _scale_value(v_scale))
+        if not layout.block_ids.numel():  # the usual step: the compiled routines read every sequence in place
             return out
         # [kv_heads, rows, block_size, head_dim]
         keys = self._gather("k", k_cache, layout.block_ids, k_scale, q.dtype)

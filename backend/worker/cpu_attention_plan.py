@@ -11,7 +11,9 @@ block size and dtype) and every later layer reuses it:
   :class:`SharedPrefix`, attended once for all of them (cascade attention);
 * or, when the compiled routine runs the decodes (:class:`NativeDecodes`), every
   decode attends its whole table in place, shared prefix included;
-* each prefill chunk attends alone over its own context, causally.
+* each prefill chunk attends alone over its own context, causally: in torch SDPA
+  over its gathered blocks, or, where :func:`native_prefill_wins` says the compiled
+  routine is faster (:class:`NativePrefills`), in place.
 
 Every group's blocks are listed in one ``block_ids`` tensor, so a layer gathers
 K and V with one ``index_select`` each.
@@ -33,6 +35,9 @@ DECODE_BATCH_FILL = 0.7
 # Decodes whose block tables start with the same blocks (prefix caching, forks) attend to that shared
 # prefix together once it is at least this long; below it, the extra call costs more than it saves.
 MIN_SHARED_PREFIX_BLOCKS = 4
+# Prefill chunks attending to at most this many (query, key) pairs run in the compiled routine, when it is
+# built; bigger ones in SDPA (measurements: native_prefill_wins).
+NATIVE_PREFILL_MAX_PAIRS = 96 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +67,20 @@ class NativeDecodes:
     # Addresses of rows, block_table and lens, which this record keeps alive: read once per step,
     # because numpy's ``.ctypes.data`` costs microseconds and every layer passes them.
     addresses: tuple[int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class NativePrefills:
+    """Prefill chunks for the compiled routine (:mod:`pagedllm.worker.native_prefill`), which reads their
+    blocks where they lie: they are neither gathered nor masked."""
+
+    starts: np.ndarray  # int64 [num_seqs]: each chunk's first flat token
+    query_lens: np.ndarray  # int64 [num_seqs]
+    seq_lens: np.ndarray  # int64 [num_seqs]: the chunk is the last query_len of them
+    block_table: np.ndarray  # int64 [num_seqs, width], C-contiguous
+    lowest_block: int  # checked against the cache once per layer, as NativeDecodes' are
+    highest_block: int
+    addresses: tuple[int, int, int, int]  # of starts, query_lens, seq_lens and block_table, kept alive here
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +119,7 @@ class StepLayout:
     block_ids: torch.Tensor  # int64 [rows]: every group's blocks, gathered in one index_select
     decodes: tuple[DecodeBatch, ...]
     native_decodes: NativeDecodes | None  # the decodes instead, when the compiled routine runs them
+    native_prefills: NativePrefills | None  # chunks the compiled prefill routine runs (not in ``prefills``)
     shared_prefixes: tuple[SharedPrefix, ...]
     prefills: tuple[PrefillChunk, ...]
     # All decodes, in one batch, in the batch's own order, none with a shared prefix: the
@@ -109,23 +129,25 @@ class StepLayout:
 
 @dataclass(frozen=True, slots=True)
 class CpuAttentionPlan:
-    """The step's lengths and block table on the host; layouts derived once per (block size, dtype, native).
+    """The step's lengths and block table on the host; layouts derived once per (block size, dtype, native,
+    native_prefill).
 
     The block size and dtype belong to the cache, which the metadata does not
     describe, so the first layer derives the layout and every later layer reuses it.
-    ``native`` says whether the compiled decode routine runs the decodes.
+    ``native`` says whether the compiled decode routine runs the decodes, ``native_prefill``
+    whether the compiled prefill routine may run the prefill chunks (those it is faster for).
     """
 
     starts: np.ndarray  # int64 [num_seqs + 1]
     seq_lens: np.ndarray  # int64 [num_seqs]
     block_table: np.ndarray  # int64 [num_seqs, width]
     device: torch.device
-    layouts: dict[tuple[int, torch.dtype, bool], StepLayout] = field(default_factory=dict)
+    layouts: dict[tuple[int, torch.dtype, bool, bool], StepLayout] = field(default_factory=dict)
 
-    def layout(self, block_size: int, dtype: torch.dtype, native: bool) -> StepLayout:
-        key = (block_size, dtype, native)
+    def layout(self, block_size: int, dtype: torch.dtype, native: bool, native_prefill: bool = False) -> StepLayout:
+        key = (block_size, dtype, native, native_prefill)
         if key not in self.layouts:
-            self.layouts[key] = _layout(self, block_size, dtype, native)
+            self.layouts[key] = _layout(self, block_size, dtype, native, native_prefill)
         return self.layouts[key]
 
 
@@ -140,7 +162,8 @@ def plan_cpu_attention(metadata: AttentionMetadata) -> AttentionMetadata:
     return replace(metadata, plan=plan)
 
 
-def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native: bool) -> StepLayout:
+def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native: bool,
+            native_prefill: bool) -> StepLayout:
     """Index math in numpy, one host-to-torch conversion per tensor: this runs once per step."""
     query_lens = np.diff(plan.starts)
     num_blocks = -(-plan.seq_lens // block_size)
@@ -178,8 +201,12 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native:
         ))
         rows += len(seqs) * width
 
+    chunks = np.flatnonzero(query_lens > 1)
+    in_place = np.array([native_prefill_wins(int(query_lens[seq]), int(plan.seq_lens[seq])) for seq in chunks]
+                        if native_prefill else [False] * len(chunks), dtype=bool)
+    in_place_chunks = native_prefills(plan, chunks[in_place], block_size) if in_place.any() else None
     prefills = []
-    for seq in np.flatnonzero(query_lens > 1):
+    for seq in chunks[~in_place]:
         width, query_len, seq_len = int(num_blocks[seq]), int(query_lens[seq]), int(plan.seq_lens[seq])
         block_ids.append(plan.block_table[seq, :width])
         visible = np.arange(seq_len)[None, :] <= np.arange(seq_len - query_len, seq_len)[:, None]
@@ -190,8 +217,8 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native:
     ids = np.concatenate(block_ids) if block_ids else np.zeros(0, dtype=np.int64)
     # Every sequence decodes, in one batch: _decode_batches kept them in the batch's order.
     in_order = len(decodes) == 1 and decodes[0].num_seqs == len(query_lens) and not shared_prefixes
-    return StepLayout(_tensor(ids, plan.device), tuple(decodes), native_decodes, tuple(shared_prefixes),
-                      tuple(prefills), in_order)
+    return StepLayout(_tensor(ids, plan.device), tuple(decodes), native_decodes, in_place_chunks,
+                      tuple(shared_prefixes), tuple(prefills), in_order)
 
 
 def _native_decodes(plan: CpuAttentionPlan, seqs: np.ndarray, block_size: int) -> NativeDecodes:
@@ -208,6 +235,47 @@ def _native_decodes(plan: CpuAttentionPlan, seqs: np.ndarray, block_size: int) -
                          f"({table.shape[1]} blocks of {block_size})")
     return NativeDecodes(rows, table, lens, max_len, int(table.min()), int(table.max()),
                          (rows.ctypes.data, table.ctypes.data, lens.ctypes.data))
+
+
+def native_prefill_wins(query_len: int, seq_len: int) -> bool:
+    """Whether the compiled routine beats gather + SDPA for a chunk of ``query_len`` tokens ending at ``seq_len``.
+
+    Both do work in proportion to the (query, key) pairs the chunk attends to,
+    ``query_len * (seq_len - query_len / 2)``; the compiled routine saves the gather, the
+    mask and SDPA's fixed cost, which dominate small chunks, and SDPA's BLAS-backed
+    blocks run the products faster, which wins for big ones. Measured with ``pagedllm
+    bench kernels`` (:mod:`pagedllm.bench.cpu_prefill`), 1 thread, block 16, tiny (4/2
+    heads) and small (8/2) layouts, SDPA path ms / compiled ms:
+
+    ============  ==========  ==========  ==========  ==========  ==========
+    context       q 64        q 128       q 256       q 384       q 1024
+    ============  ==========  ==========  ==========  ==========  ==========
+    0             2.8 / 2.1x  2.0 / 1.7x  3.8 / 1.7x  0.8 / 1.2x  0.8 / 0.9x
+    256           --          1.2 / 1.9x  1.1 / 0.9x  0.9 / 1.2x  --
+    1024          --          1.2 / 0.9x  0.8 / 0.9x  0.9 / 0.8x  --
+    2048 (q 64)   1.0 / 1.0x
+    ============  ==========  ==========  ==========  ==========  ==========
+
+    (tiny / small; this shared 2-core host's noise is about +-30% per cell). The
+    compiled routine is 1.5-6x faster below ~50k pairs, level around 100k (q 384 over
+    nothing, q 192-256 over 256 cached tokens, q 96-128 over 1024, q 64 over 2048) and
+    0.6-0.9x above: the rule draws the line at 96k pairs.
+    """
+    return query_len * (seq_len - query_len / 2) <= NATIVE_PREFILL_MAX_PAIRS
+
+
+def native_prefills(plan: CpuAttentionPlan, seqs: np.ndarray, block_size: int) -> NativePrefills:
+    """The chunks ``seqs`` (sequence indices) for the compiled routine, whatever :func:`native_prefill_wins`
+    says (the benchmark times both sides); ``ValueError`` for a context longer than its table row."""
+    table = np.ascontiguousarray(plan.block_table[seqs])
+    starts = np.ascontiguousarray(plan.starts[seqs])
+    query_lens = np.ascontiguousarray(plan.starts[seqs + 1] - plan.starts[seqs])
+    lens = np.ascontiguousarray(plan.seq_lens[seqs])
+    if -(-int(lens.max()) // block_size) > table.shape[1]:
+        raise ValueError(f"a context of {int(lens.max())} tokens runs past the end of its block-table row "
+                         f"({table.shape[1]} blocks of {block_size})")
+    return NativePrefills(starts, query_lens, lens, table, int(table.min()), int(table.max()),
+                          (starts.ctypes.data, query_lens.ctypes.data, lens.ctypes.data, table.ctypes.data))
 
 
 def _shared_prefixes(seqs: np.ndarray, block_table: np.ndarray, seq_lens: np.ndarray,
