@@ -62,6 +62,8 @@ def load_model(
     files = checkpoint_files(model_dir)
     sources = model.checkpoint_sources()
     wanted = {part.name for source in sources.values() for part in source.parts}
+    if quantized is not None:
+        quantized.plan(model, sources)  # which FP8 Linears stay in 8 bits for torch._scaled_mm
     with ExitStack() as stack:
         handles = {path: stack.enter_context(safe_open(str(path), framework="pt", device=str(device))) for path in files}
         location = {name: path for path, handle in handles.items() for name in handle.keys()}
@@ -85,6 +87,8 @@ def load_model(
     if wrong:
         raise ValueError(f"checkpoint {model_dir} has tensors of the wrong shape: {wrong[:5]}")
     model.load_state_dict(state, strict=True, assign=True)
+    if quantized is not None:
+        quantized.install(model)
     del state  # so that packing frees each unpacked weight as it goes
     model.requires_grad_(False)
     if packing is not None:

@@ -12,10 +12,13 @@ that class, accepts what the engine can run and refuses the rest by name:
 * input activations: none (weight-only), or FP8 with a static (``input_scale``) or dynamic scale;
 * a KV-cache scheme: per-layer ``k_scale`` / ``v_scale`` for an 8-bit KV cache.
 
-Weights are dequantized once at load into the compute dtype (:class:`QuantizedWeights`), with one
-log line saying so. Activation quantization is not emulated: with dequantized weights the
-forward runs in the compute dtype, as vLLM does on hardware without FP8 support; a static
-``input_scale`` is still checked, so a corrupt one fails the load.
+On a CUDA device with FP8 tensor cores (compute capability 8.9+), FP8 weights stay in 8 bits and
+their Linears run ``torch._scaled_mm`` with the checkpoint's activation scheme
+(:mod:`pagedllm.models.fp8_linear`). Elsewhere, and for INT8, weights are dequantized once at
+load into the compute dtype (:class:`QuantizedWeights`); activation quantization is then not
+emulated: the forward runs in the compute dtype, as vLLM does on hardware without FP8 support,
+and a static ``input_scale`` is still checked, so a corrupt one fails the load. One log line
+says which of the two a load does.
 
 On a CPU, torch's int8 weight-packed matmul (``aten._weight_int8pack_mm``) was measured
 against dequantizing once (``scripts/ab_int8_weight_matmul.py``, 1 thread, 2048x2048, this
@@ -32,11 +35,17 @@ from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
+from pagedllm.models import fp8_linear
+from pagedllm.models.fp8_linear import Fp8Linear
 from pagedllm.parallel.sharding import RowRange
+
+if TYPE_CHECKING:
+    from pagedllm.models.tensor_parallel import ParameterSource
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +170,16 @@ def _check_kv_scheme(scheme: Any) -> None:
 
 def dequantize_weight(name: str, weight: torch.Tensor, scale: torch.Tensor | None, scheme: WeightScheme,
                       dtype: torch.dtype) -> torch.Tensor:
-    """``weight * scale`` in ``dtype``; ``ValueError`` naming the tensor for a missing, misshapen or
-    non-finite scale, or a weight stored in another dtype than the scheme says."""
+    """``weight * scale`` in ``dtype``; ``ValueError`` as :func:`checked_weight_scale`."""
+    scale = checked_weight_scale(name, weight, scale, scheme)
+    values = weight.to(torch.float32) * scale.to(torch.float32).reshape(-1, 1)
+    return values.to(dtype)
+
+
+def checked_weight_scale(name: str, weight: torch.Tensor, scale: torch.Tensor | None,
+                         scheme: WeightScheme) -> torch.Tensor:
+    """``scale``; ``ValueError`` naming the tensor for a missing, misshapen or non-finite scale, or a weight
+    stored in another dtype than the scheme says."""
     scale_name = name.removesuffix("weight") + WEIGHT_SCALE
     if scale is None:
         raise ValueError(f"checkpoint tensor {scale_name} is missing: {name} is quantized")
@@ -175,8 +192,7 @@ def dequantize_weight(name: str, weight: torch.Tensor, scale: torch.Tensor | Non
         raise ValueError(f"checkpoint tensor {scale_name} has shape {tuple(scale.shape)}: expected {expected} "
                          f"for {name} of shape {tuple(weight.shape)}")
     check_scale(scale_name, scale)
-    values = weight.to(torch.float32) * scale.to(torch.float32).reshape(-1, 1)
-    return values.to(dtype)
+    return scale
 
 
 def check_scale(name: str, scale: torch.Tensor) -> None:
@@ -213,12 +229,19 @@ def kv_cache_scales(quantization: CheckpointQuantization | None, num_layers: int
     return scales
 
 
-def log_dequantized(scheme: WeightScheme, dtype: torch.dtype, device: torch.device) -> None:
+def log_quantized(scheme: WeightScheme, dtype: torch.dtype, device: torch.device, scaled_mm: bool) -> None:
     """The one line saying how a quantized checkpoint runs here."""
     kind = "FP8" if scheme.dtype == torch.float8_e4m3fn else "INT8"
     granularity = "per-channel" if scheme.per_channel else "per-tensor"
-    log.info("quantized checkpoint: %s %s weights (activations: %s) dequantized once at load to %s on %s",
+    how = ("kept in 8 bits, run with torch._scaled_mm on FP8 tensor cores (%s output)" if scaled_mm
+           else "dequantized once at load to %s")
+    log.info(f"quantized checkpoint: %s %s weights (activations: %s) {how} on %s",
              kind, granularity, scheme.activations, str(dtype).removeprefix("torch."), device)
+
+
+def uses_scaled_mm(scheme: WeightScheme | None, device: torch.device) -> bool:
+    """Whether this checkpoint's Linears run ``torch._scaled_mm`` on ``device``: FP8 weights on FP8 tensor cores."""
+    return scheme is not None and scheme.dtype == torch.float8_e4m3fn and fp8_linear.fp8_tensor_cores(device)
 
 
 def checkpoint_kv_cache_scales(model_dir: Path, files: list[Path], num_layers: int) -> dict[int, tuple[float, float]] | None:
@@ -236,13 +259,27 @@ def checkpoint_kv_cache_scales(model_dir: Path, files: list[Path], num_layers: i
                                lambda name: location[name].get_tensor(name) if name in location else None)
 
 
+@dataclass(frozen=True, slots=True)
+class Fp8Part:
+    """One checkpoint part of an FP8 Linear that runs ``_scaled_mm``: its e4m3 rows (a rank's share), their
+    scales, one per output row, and its static input scale (``None``: dynamic)."""
+
+    weight: torch.Tensor
+    row_scales: torch.Tensor
+    input_scale: torch.Tensor | None
+
+
 class QuantizedWeights:
     """The loader's view of a quantized checkpoint: which tensors hold a weight, and the weight itself,
-    dequantized into the compute dtype (and cut to a tensor-parallel rank's rows)."""
+    dequantized into the compute dtype (and cut to a tensor-parallel rank's rows), or, for Linears that run on
+    FP8 tensor cores, kept in e4m3 until :meth:`install` puts :class:`Fp8Linear` modules in their place."""
 
-    def __init__(self, quantization: CheckpointQuantization, dtype: torch.dtype) -> None:
+    def __init__(self, quantization: CheckpointQuantization, dtype: torch.dtype, scaled_mm: bool = False) -> None:
         self.quantization = quantization
         self.dtype = dtype
+        self.scaled_mm = scaled_mm
+        self._fp8_params: dict[str, tuple[str, ...]] = {}  # parameter -> its checkpoint parts, in order
+        self._fp8_parts: dict[str, Fp8Part | None] = {}  # filled by load()
 
     @classmethod
     def of_checkpoint(cls, config: Any, dtype: torch.dtype, device: torch.device) -> QuantizedWeights | None:
@@ -251,9 +288,24 @@ class QuantizedWeights:
         quantization = checkpoint_quantization(config)
         if quantization is None:
             return None
+        scaled_mm = uses_scaled_mm(quantization.weights, device)
         if quantization.weights is not None:
-            log_dequantized(quantization.weights, dtype, device)
-        return cls(quantization, dtype)
+            log_quantized(quantization.weights, dtype, device, scaled_mm)
+        return cls(quantization, dtype, scaled_mm)
+
+    def plan(self, model: nn.Module, sources: Mapping[str, ParameterSource]) -> None:
+        """With ``scaled_mm``, choose the Linears that run it: every part quantized (a fused q|k|v or gate|up
+        needs all three or both), not stacked experts, and ``_scaled_mm``'s shape rule met. The rest dequantize."""
+        if not self.scaled_mm:
+            return
+        for param, source in sources.items():
+            prefix, _, leaf = param.rpartition(".")
+            if leaf != "weight" or source.stack or not all(self.quantizes(part.name) for part in source.parts):
+                continue
+            module = model.get_submodule(prefix)
+            if isinstance(module, nn.Linear) and fp8_linear.fits_scaled_mm(module.out_features, module.in_features):
+                self._fp8_params[param] = tuple(part.name for part in source.parts)
+                self._fp8_parts.update((part.name, None) for part in source.parts)
 
     def quantizes(self, name: str) -> bool:
         return self.quantization.quantizes(name)
@@ -269,7 +321,9 @@ class QuantizedWeights:
 
     def load(self, name: str, rows: RowRange | None, read: Callable[[str], torch.Tensor | None]) -> torch.Tensor:
         """Weight ``name`` in the compute dtype; ``rows`` (a tensor-parallel rank's share, or ``None``) cuts it as
-        the loader would; ``read(tensor name)`` returns a checkpoint tensor or ``None`` when absent."""
+        the loader would; ``read(tensor name)`` returns a checkpoint tensor or ``None`` when absent. A part of a
+        planned ``_scaled_mm`` Linear is kept in e4m3 and this returns a placeholder of its shape on the meta
+        device (no memory): :meth:`install` builds the module."""
         prefix = name.removesuffix("weight")
         scheme = self.quantization.weights
         if scheme is None:
@@ -286,8 +340,36 @@ class QuantizedWeights:
                 raise ValueError(f"checkpoint tensor {prefix + INPUT_SCALE} is missing: the activations of "
                                  f"{prefix.rstrip('.')} have static scales")
             check_scale(prefix + INPUT_SCALE, input_scale)
-        full = dequantize_weight(name, weight, read(prefix + WEIGHT_SCALE), scheme, self.dtype)
-        return full if rows is None else _rows(full, rows)
+        scale = read(prefix + WEIGHT_SCALE)
+        if name not in self._fp8_parts:
+            full = dequantize_weight(name, weight, scale, scheme, self.dtype)
+            return full if rows is None else _rows(full, rows)
+        scale = checked_weight_scale(name, weight, scale, scheme).float().reshape(-1).expand(weight.shape[0])
+        if rows is not None:
+            weight = _rows(weight, rows)
+            if rows.dim == 0:  # a column-parallel share: its output rows' scales (padding rows are zeros anyway)
+                scale = _rows(scale.contiguous(), rows)
+        static = input_scale.float().reshape(()) if scheme.activations == "static" and input_scale is not None else None
+        self._fp8_parts[name] = Fp8Part(weight.contiguous(), scale.contiguous(), static)
+        return torch.empty(weight.shape, dtype=self.dtype, device="meta")
+
+    def install(self, model: nn.Module) -> None:
+        """Put an :class:`Fp8Linear` in place of every planned Linear (whose weight :meth:`load` left on the meta
+        device), its bias kept."""
+        for param, part_names in self._fp8_params.items():
+            parts = [self._fp8_parts[name] for name in part_names]
+            if any(part is None for part in parts):
+                raise ValueError(f"{param}: its checkpoint parts {list(part_names)} were not all loaded")
+            loaded = [part for part in parts if part is not None]
+            statics = [part.input_scale for part in loaded]
+            input_scale = None if any(s is None for s in statics) else torch.stack(statics).amax()  # type: ignore[misc]
+            parent_name, _, child = param.removesuffix(".weight").rpartition(".")
+            module = model.get_submodule(param.removesuffix(".weight"))
+            bias = module.bias if isinstance(module, nn.Linear) else None
+            setattr(model.get_submodule(parent_name), child, Fp8Linear(
+                torch.cat([part.weight for part in loaded]), torch.cat([part.row_scales for part in loaded]),
+                input_scale, bias, self.dtype))
+        self._fp8_parts = dict.fromkeys(self._fp8_parts)  # the modules hold the tensors now
 
 
 def _unpacked(prefix: str, read: Callable[[str], torch.Tensor | None]) -> torch.Tensor:
