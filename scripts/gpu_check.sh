@@ -22,17 +22,18 @@
 #            their ms against a per-adapter torch loop at Llama-3.1-8B q|k|v shapes, and the CUDA engine's
 #            tokens through three adapters (max_loras=2) against the CPU engine's
 #   fp8      FP8 KV cache kernels against their references (bytes written, attention read), the engine
-#            with kv_cache_dtype=fp8_e4m3 against the CPU backend's tokens, and an FP8-weight
-#            (compressed-tensors) checkpoint's decode against transformers (skipped, saying so, where
-#            the compressed-tensors package is not installed)
+#            with kv_cache_dtype=fp8_e4m3 against the CPU backend's tokens, FP8-weight Linears on
+#            torch._scaled_mm (each scaling mode, and a decode step) against the dequantized path, and an
+#            FP8 compressed-tensors checkpoint against transformers (skipped, saying so, where the
+#            compressed-tensors package is not installed)
 # The sections' programs are in scripts/gpu/. All together took 3.5 minutes on an H200 before `moe`
-# and qwen2_moe were added (the timeouts now sum to 14.8: under a 10-minute limit, run `moe` and `fp8` on their
+# and qwen2_moe were added (the timeouts now sum to 15.8: under a 10-minute limit, run `moe` and `fp8` on their
 # own). Tables go to stdout, JSON results to $OUT (or ./gpu-results). Exit 1 if any section failed.
 # The device allows 10 minutes per command and 15 per session, machine start included, so the default
 # (every section) no longer fits: name the sections of each call. For issue 30, first call:
 #   bash scripts/gpu_check.sh kernels gpu        (timeouts 110 + 450 s)
 # then, in a later call or session: `tiles` (240 s; paste its table, commit, then `kernels` again),
-# `engine graphs launch plan` (515 s), and `moe tp fp8` (360 s).
+# `engine graphs launch plan` (515 s), and `moe tp fp8` (420 s).
 # Usage: bash scripts/gpu_check.sh [engine] [graphs] [launch] [kernels] [plan] [moe] [tp] [fp8] [lora] [gpu] [tiles]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -68,7 +69,7 @@ for name in "${SECTIONS[@]}"; do
         plan) section plan 150 bash scripts/gpu/plan_calibration.sh "$OUT" ;;
         moe) section moe 120 python3 scripts/gpu/fused_moe_bench.py "$OUT/fused_moe.json" ;;
         tp) section tp 90 python3 scripts/gpu/tp_nccl.py ;;
-        fp8) section fp8 150 python3 scripts/gpu/fp8_check.py ;;
+        fp8) section fp8 210 python3 scripts/gpu/fp8_check.py ;;
         lora) section lora 120 python3 scripts/gpu/lora_check.py ;;
         gpu) section gpu 450 pagedllm bench gpu --json "$OUT/bench_gpu.json" ;;
         tiles) section tiles 240 python3 scripts/gpu/tune_attention_tiles_gpu.py --json "$OUT/attention_tiles.json" ;;
