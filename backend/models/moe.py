@@ -4,9 +4,10 @@ A router picks each token's top-k experts (:mod:`pagedllm.models.moe_traits`
 for the rule); the experts' weights are stacked per layer, gate|up as
 ``[E, 2 * I, H]`` and down as ``[E, H, I]``, so one kernel call serves every
 expert. On CUDA that is the Triton-lang fused kernel
-(:func:`pagedllm.kernels.fused_moe.fused_moe`); elsewhere its plain-torch twin,
-which groups the tokens by expert with one sort and runs each chosen expert's
-GEMMs on its own tokens. Qwen2-MoE adds a shared expert that every token runs,
+(:func:`pagedllm.kernels.fused_moe.fused_moe`); on the CPU in float32 a compiled
+C routine that runs every expert of a step in one call (:mod:`pagedllm.models.moe_cpu`);
+elsewhere the kernel's plain-torch twin, which groups the tokens by expert with
+one sort and runs each chosen expert's GEMMs on its own tokens. Qwen2-MoE adds a shared expert that every token runs,
 scaled by a sigmoid gate.
 
 Under tensor parallelism each rank holds a slice of every expert, split like
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels.fused_moe_reference import fused_moe_ref
+from pagedllm.models.moe_cpu import PackedExperts, load_native_moe, pack_experts
 from pagedllm.models.moe_traits import MoeTraits
 from pagedllm.models.tensor_parallel import ParameterSource, TensorPart
 from pagedllm.parallel.group import TensorParallel
@@ -57,6 +59,7 @@ class SparseMoeBlock(nn.Module):
         self.w_down = nn.Parameter(torch.empty(traits.num_experts, hidden_size, inter), requires_grad=False)
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
+        self._packed: PackedExperts | None = None  # the experts packed for the compiled CPU routine, on first use
         self.requires_grad_(False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +72,13 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        out = _experts(x.device)(x, self.w_gate_up, self.w_down, weights, ids)
+        native = load_native_moe() if x.device.type == "cpu" else None
+        if native is not None and native.applies(x, self.w_gate_up):
+            if self._packed is None:  # once: the weights do not change after loading
+                self._packed = pack_experts(self.w_gate_up, self.w_down)
+            out = native.run(x, self._packed, weights, ids)
+        else:
+            out = _experts(x.device)(x, self.w_gate_up, self.w_down, weights, ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             # The gate is replicated, so scaling each rank's partial sum before the reduce is exact.
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -115,10 +124,10 @@ def intermediate_layout(layout: ShardLayout, intermediate_size: int, key: str) -
 
 
 def _experts(device: torch.device) -> ExpertsFn:
-    """The fused kernel on CUDA (imported there only: triton is optional on CPU), the grouped torch path elsewhere."""
+    """The fused kernel on CUDA (imported there only: triton is optional on CPU), the grouped torch path elsewhere
+    (the CPU's float32 steps run the compiled routine instead, in :meth:`SparseMoeBlock.forward`)."""
     if device.type == "cuda":
         from pagedllm.kernels.fused_moe import fused_moe
 
         return fused_moe
     return fused_moe_ref
-
