@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from pagedllm.engine import latency_trace
 from pagedllm.engine.core_process import EngineCoreProcess
 from pagedllm.engine.llm_engine import DEFAULT_MODEL_DIR, LLMEngine
 from pagedllm.engine.engine_contract import EngineUnavailable, FailureKind
@@ -182,6 +183,7 @@ class TritonPythonModel:
         return None
 
     def _start(self, request: Any, sender: Any) -> None:
+        latency_trace.mark("stub.received", request.request_id() or "")
         unavailable = self._loop.error
         if unavailable is not None:
             self._push(uuid.uuid4().hex, sender, Failure(f"model unavailable: {unavailable}", "UNAVAILABLE"))
@@ -275,6 +277,7 @@ class TritonPythonModel:
 
     def _on_output(self, stream: _Stream, output: RequestOutput) -> None:
         """Loop thread: build the tensors now (cheap), send them from the sender thread."""
+        latency_trace.mark("stub.output", stream.request_id)
         if stream.ended:
             return
         if output.finished and any(delta.finish_reason == "abort" for delta in output.outputs):

@@ -31,7 +31,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from pagedllm.bench import report
+from pagedllm.bench import report, serving_vllm_client
 from pagedllm.bench.models import bench_model
 from pagedllm.engine.cpu_binding import pin_process, split_cpus
 
@@ -45,11 +45,17 @@ THROUGHPUT_TARGET = 0.9  # serving >= 90% of in-process tokens/s at the highest 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--concurrency", default="1,8,32,64", help="comma-separated closed-loop client counts")
+    parser.add_argument("--client", choices=("load", "vllm"), default="load",
+                        help="load: our gRPC load client against tritonserver and the in-process engine; vllm: "
+                             "`vllm bench serve` against `pagedllm serve --openai-port` and `vllm serve` "
+                             "(pagedllm.bench.serving_vllm_client)")
+    parser.add_argument("--concurrency", default=None,
+                        help="comma-separated closed-loop client counts (default 1,8,32,64; --client vllm: 1,16)")
     parser.add_argument("--requests-per-client", type=int, default=6, help="requests = max(16, this x concurrency)")
-    parser.add_argument("--rounds", type=int, default=4,
+    parser.add_argument("--rounds", type=int, default=None,
                         help="serving / in-process pairs per concurrency, each with its own requests; the ratio is "
-                             "over their sums (single rounds moved 77-110%% at concurrency 64 on a noisy host)")
+                             "over their sums (single rounds moved 77-110%% at concurrency 64 on a noisy host); "
+                             "default 4 (--client vllm: 1, each round restarts both servers)")
     parser.add_argument("--prompt-words", type=int, default=32)
     parser.add_argument("--output-tokens", type=int, default=64, help="mean max_tokens (uniform +-50%%)")
     parser.add_argument("--max-model-len", type=int, default=512)
@@ -70,10 +76,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "concurrency, same server and requests, and compare its throughput with gRPC's")
     parser.add_argument("--openai-rounds", type=int, default=2,
                         help="with --api openai: alternating gRPC/OpenAI load pairs per concurrency")
+    serving_vllm_client.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> None:
     from pagedllm.serving.server import TritonServer
+
+    if args.client == "vllm":
+        from pagedllm.bench import serving_vllm_client
+
+        args.concurrency = args.concurrency or "1,16"
+        args.rounds = args.rounds or 1
+        serving_vllm_client.run(args)
+        return
+    args.concurrency = args.concurrency or "1,8,32,64"
+    args.rounds = args.rounds or 4
 
     if args.openai_rounds < 1 or args.rounds < 1:
         raise SystemExit(f"--rounds and --openai-rounds must be >= 1, got {args.rounds} and {args.openai_rounds}")

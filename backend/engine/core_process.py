@@ -35,6 +35,7 @@ from typing import Any
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine import latency_trace
 from pagedllm.engine.admission import AdmissionLimits, check_request, tokenize_prompt
 from pagedllm.engine.cpu_binding import CpuSplit, bind_engine, pin_process
 from pagedllm.engine.core_wire import decode_outputs, encode_outputs
@@ -91,6 +92,7 @@ class EngineCoreProcess:
         if lora_request is not None and not self.config.enable_lora:
             raise ValueError(f"lora_request={lora_request.lora_name!r} needs an engine with enable_lora=true")
         self._send(("add", request_id, prompt_ids, params, lora_request))
+        latency_trace.mark("stub.submitted", request_id)
         self._in_flight.add(request_id)
         self._prompts[request_id] = (text, tuple(prompt_ids))
 
@@ -272,6 +274,7 @@ def _serve(engine: Any, conn: Connection) -> None:
             if message[0] == "stop":
                 return
             if message[0] == "add":
+                latency_trace.mark("core.admitted", message[1])
                 error = _add(engine, message[1], message[2], message[3], message[4])
                 if error is not None:
                     conn.send(("rejected", message[1], error))
@@ -290,6 +293,9 @@ def _serve(engine: Any, conn: Connection) -> None:
             log.exception("engine step failed in the engine core process")
             conn.send(("step_failed", f"engine step failed: {error}", engine.stats()))
             continue
+        if latency_trace.enabled():
+            for output in outputs:
+                latency_trace.mark("core.stepped", output.request_id)
         stats = engine.stats()
         stalled = not outputs and progress(stats) == before
         conn.send(("step", encode_outputs(outputs), stats))

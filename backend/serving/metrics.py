@@ -178,6 +178,7 @@ class TritonMetrics:
         self._latest: Any = None
         self._steps: list[StepTimings] = []
         self._closing = False
+        self._waiting_for_data = False  # only then does a record wake the publisher (see record)
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="pagedllm-metrics", daemon=True)
         self._thread.start()
@@ -195,11 +196,15 @@ class TritonMetrics:
             counter.increment(missing)
 
     def record(self, stats: Any, timings: StepTimings) -> None:
-        """Queue a snapshot and a step's timings (cheap; call it from the engine loop's ``on_step``)."""
+        """Queue a snapshot and a step's timings (cheap; call it from the engine loop's ``on_step``).
+
+        The publisher is woken only when it waits for data: during its pause between publishes a
+        notify would only wake it to wait again, two thread switches per engine step for nothing."""
         with self._changed:
             self._latest = stats
             self._steps.append(timings)
-            self._changed.notify()
+            if self._waiting_for_data:
+                self._changed.notify()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Publish what is pending and stop the publisher thread."""
@@ -211,8 +216,10 @@ class TritonMetrics:
     def _run(self) -> None:
         while True:
             with self._changed:
+                self._waiting_for_data = True
                 while self._latest is None and not self._steps and not self._closing:
                     self._changed.wait()
+                self._waiting_for_data = False
                 stats, self._latest = self._latest, None
                 steps, self._steps = self._steps, []
                 closing = self._closing

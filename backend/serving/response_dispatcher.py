@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.engine import latency_trace
 from pagedllm.serving.response_codec import Tensors, merge_tensors
 
 log = logging.getLogger(__name__)
@@ -80,25 +81,26 @@ class ResponseDispatcher:
                     return
                 key = self._ready.popleft()
                 target, items = self._outboxes.pop(key)
-            self._deliver(target, items)
+            self._deliver(key, target, items)
 
-    def _deliver(self, target: Any, items: list[Data | Failure]) -> None:
+    def _deliver(self, key: str, target: Any, items: list[Data | Failure]) -> None:
         pending: list[Data] = []
         for item in items:
             if isinstance(item, Data):
                 pending.append(item)
                 continue
-            self._flush(target, pending)
+            self._flush(key, target, pending)
             pending = []
             self._guarded(self._send_failure, target, item.message, item.code)
-        self._flush(target, pending)
+        self._flush(key, target, pending)
 
-    def _flush(self, target: Any, pending: list[Data]) -> None:
+    def _flush(self, key: str, target: Any, pending: list[Data]) -> None:
         if not pending:
             return
         chunks = [item.tensors for item in pending if item.tensors is not None]
         merged = merge_tensors(chunks) if chunks else None
         self._guarded(self._send_data, target, merged, any(item.final for item in pending))
+        latency_trace.mark("stub.sent", key)
 
     @staticmethod
     def _guarded(send: Callable[..., None], *args: Any) -> None:

@@ -92,7 +92,7 @@ def _reap_stubs(group: int) -> None:
 def _wait_until_empty(group: int, timeout_s: float) -> None:
     """Wait for the killed members of ``group`` to go (they are not our children: we cannot reap them)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(not _is_zombie(pid) for pid, _ in _group_members(group)):
+    while time.monotonic() < deadline and any(not is_zombie(pid) for pid, _ in _group_members(group)):
         time.sleep(0.05)
 
 
@@ -137,7 +137,8 @@ def exit_status(pid: int) -> ExitStatus:
         return ExitStatus(None)
 
 
-def _is_zombie(pid: int) -> bool:
+def is_zombie(pid: int) -> bool:
+    """Whether ``pid`` has ended: a zombie, or gone."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except (OSError, IndexError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -18,6 +19,8 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagedllm.engine import latency_trace
 
 from pagedllm.serving.openai.errors import OpenAIError, bad_request, validation_error
 from pagedllm.serving.openai.lora_adapters import LoRABase, RuntimeAdapters, add_runtime_lora_routes
@@ -143,7 +146,8 @@ async def _answer(request: Request, bridge: TritonBridge, model: ServedModel, pr
                   builder: ResponseBuilder, stream: bool, include_usage: bool) -> Response:
     if model.lora_name is not None:  # an adapter: its base's Triton model, as vllm_backend names adapters
         sampling = {**sampling, "lora_name": model.lora_name}
-    responses = bridge.generate(model.triton_model, prompt, sampling, stream=stream)
+    request_id = uuid.uuid4().hex
+    responses = bridge.generate(model.triton_model, prompt, sampling, stream=stream, request_id=request_id)
     if not stream:
         async def collect() -> dict[str, Any]:
             async for response in responses:
@@ -155,11 +159,12 @@ async def _answer(request: Request, bridge: TritonBridge, model: ServedModel, pr
         first = await _unless_disconnected(request, anext(responses))
     except StopAsyncIteration:
         raise OpenAIError(500, "tritonserver ended the request without a response") from None
-    return StreamingResponse(_sse(builder, first, responses, include_usage), media_type="text/event-stream")
+    return StreamingResponse(_sse(builder, first, responses, include_usage, request_id),
+                             media_type="text/event-stream")
 
 
 async def _sse(builder: ResponseBuilder, first: GenerateResponse, rest: AsyncIterator[GenerateResponse],
-               include_usage: bool) -> AsyncIterator[str]:
+               include_usage: bool, request_id: str) -> AsyncIterator[str]:
     """The SSE body. Starlette cancels this generator when the client disconnects; closing
     ``rest`` then cancels the Triton request."""
     try:
@@ -167,9 +172,11 @@ async def _sse(builder: ResponseBuilder, first: GenerateResponse, rest: AsyncIte
         if opening is not None:
             yield _event(opening)
         for chunk in builder.chunks(first, include_usage):
+            latency_trace.mark("door.chunk", request_id)
             yield _event(chunk)
         async for response in rest:
             for chunk in builder.chunks(response, include_usage):
+                latency_trace.mark("door.chunk", request_id)
                 yield _event(chunk)
         if include_usage:
             yield _event(builder.usage_chunk())

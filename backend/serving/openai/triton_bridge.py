@@ -21,6 +21,7 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from pagedllm.engine import latency_trace
 from pagedllm.serving.openai.errors import OpenAIError, engine_rejection
 
 _INVALID_REQUEST = "invalid request:"  # how backend/model.py begins its INVALID_ARG messages
@@ -70,22 +71,26 @@ class TritonBridge:
         except InferenceServerException:
             return False
 
-    async def generate(self, model: str, prompt: str, sampling: Mapping[str, Any], *,
-                       stream: bool) -> AsyncIterator[GenerateResponse]:
-        """Yield the request's responses (one per engine step when streaming, else one).
+    async def generate(self, model: str, prompt: str, sampling: Mapping[str, Any], *, stream: bool,
+                       request_id: str | None = None) -> AsyncIterator[GenerateResponse]:
+        """Yield the request's responses (one per engine step when streaming, else one); ``request_id``
+        (default: a fresh uuid) is the Triton request's id.
 
         Raises ``OpenAIError``: 400 for input the backend refused, 503 when Triton cannot
         be reached or does not serve ``model``, 500 for anything else it reports.
         """
-        request = {"model_name": model, "inputs": _inputs(prompt, sampling, stream), "request_id": uuid.uuid4().hex}
+        request_id = request_id or uuid.uuid4().hex
+        request = {"model_name": model, "inputs": _inputs(prompt, sampling, stream), "request_id": request_id}
 
         async def one_request() -> AsyncIterator[dict[str, Any]]:
             yield request
 
+        latency_trace.mark("door.forwarded", request_id)
         call = self._client.stream_infer(one_request())
         top_logprobs: int | None = sampling.get("logprobs")
         try:
             async for result, error in call:
+                latency_trace.mark("door.response", request_id)
                 if error is not None:
                     raise _as_openai_error(str(error))
                 yield _decode(result, top_logprobs, sampling.get("prompt_logprobs"))
