@@ -59,6 +59,20 @@ def test_long_tail_has_the_issue_shape() -> None:
     assert all(r.temperature == 0 and r.n == 1 for r in workload.requests)
 
 
+def test_prompt_heavy_has_the_issue_shape() -> None:
+    """Issue 32's workload: ~3.5 prompt tokens per output token, mixed lengths up to several hundred, some
+    requests behind long shared prefixes, long-tailed outputs, greedy."""
+    workload = make_workload("prompt-heavy", "full")
+    prompts = [r.prompt_token_ids for r in workload.requests]
+    outputs = [r.max_tokens for r in workload.requests]
+    assert 3.2 <= workload.num_prompt_tokens / workload.num_output_tokens <= 3.8
+    assert min(map(len, prompts)) < 64 and 400 < max(map(len, prompts)) <= 512
+    prefixed = [p for p in prompts if any(p[:320] == q[:320] for q in prompts if q is not p)]
+    assert len(workload.requests) // 5 <= len(prefixed) <= len(workload.requests) // 2
+    assert statistics.median(outputs) < 64 < statistics.mean(outputs) and max(outputs) == 256
+    assert all(r.temperature == 0 and r.n == 1 for r in workload.requests)
+
+
 def test_long_tail_lengths_stay_in_bounds() -> None:
     import numpy as np
 

@@ -50,6 +50,11 @@ def test_tiny_run_prints_every_table_and_agrees_with_reference(
         "tiny residual add + RMSNorm", "tiny rotary of q and k", "tiny SiLU(gate) x up"]
     assert all(row["torch_ms"] > 0 and row["fused_ms"] > 0 and row["max_error"] < 1e-5 for row in fused)
     assert "| step | torch ms | fused ms | speed-up | max rel. diff |" in printed
+    prefill = json.loads((tmp_path / "kernels.json").read_text())["cpu_prefill"]
+    if bench.cpu_prefill.load_native_prefill() is not None:
+        assert [(row["query_len"], row["context"]) for row in prefill] == [(16, 0), (16, 40)]
+        assert all(row["sdpa_ms"] > 0 and row["compiled_ms"] > 0 and row["max_error"] < 1e-5 for row in prefill)
+        assert "| heads | query | context | SDPA path ms | compiled ms | compiled speed-up |" in printed
 
 
 def test_a_wrong_production_cpu_backend_fails_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,8 @@ CUDA events through ``triton.testing.do_bench``. On CPU, or with ``--tiny``,
 tiny shapes run (on CPU through triton's interpreter) so the suite keeps the
 script from rotting; CPU timings of the Triton kernels mean nothing. On CPU it
 then prints the production plain-torch attention next to the reference, per
-layer and per decode step (:mod:`pagedllm.bench.cpu_attention`). Triton is
+layer and per decode step (:mod:`pagedllm.bench.cpu_attention`), and the compiled
+prefill routine next to the SDPA path (:mod:`pagedllm.bench.cpu_prefill`). Triton is
 imported only when the benchmark runs, so the ``pagedllm`` command starts without it.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pagedllm.bench import cpu_attention, cpu_fused, cpu_linears
+from pagedllm.bench import cpu_attention, cpu_fused, cpu_linears, cpu_prefill
 from pagedllm.kernels import unified_attention_ref
 from pagedllm.kernels.attention_heuristics import plan_attention
 from pagedllm.models.cpu_fused_ops import cpu_fused_ops
@@ -127,10 +128,14 @@ def run(args: argparse.Namespace) -> None:
     prefill = _prefill(shapes, device, generator, timer)
     _print(prefill, ("shape", "triton_ms", "metric", "sdpa_ms", "sdpa_metric", "ratio"), metric="TFLOP/s")
     cpu_rows = []
+    prefill_rows: list[cpu_prefill.PrefillRow] = []
     linears = []
     fused = []
     if device.type == "cpu":
         cpu_rows = cpu_attention.run_cpu_tables(cpu_attention.TINY if args.tiny else cpu_attention.FULL)
+        prefill_rows = (cpu_prefill.prefill_rows(("tiny",), (16,), (0, 40), 1) if args.tiny
+                        else cpu_prefill.prefill_rows(("tiny", "small"), (16, 64, 256, 1024), (0, 256, 1024), 7))
+        cpu_prefill.print_rows(prefill_rows)
         linears = (cpu_linears.linear_rows(("tiny",), (4,), 1) if args.tiny
                    else cpu_linears.linear_rows(("tiny", "small"), (1, 4, 8, 32, 2048), 7))
         ops = cpu_fused_ops(torch.float32, device)
@@ -142,11 +147,13 @@ def run(args: argparse.Namespace) -> None:
     if args.json is not None:
         args.json.write_text(json.dumps({"device": name, "rows": [asdict(r) for r in rows + decode + prefill],
                                          "cpu_rows": [asdict(r) for r in cpu_rows],
+                                         "cpu_prefill": [asdict(r) for r in prefill_rows],
                                          "cpu_linears": [asdict(r) for r in linears],
                                          "cpu_fused": [asdict(r) for r in fused]}, default=str, indent=1))
     if not all(row.ok for row in rows):
         raise SystemExit("unified_attention disagrees with the reference")
-    if any(row.max_error is None or row.max_error > cpu_attention.MAX_ERROR for row in cpu_rows):
+    if any(row.max_error is None or row.max_error > cpu_attention.MAX_ERROR
+           for row in [*cpu_rows, *prefill_rows]):
         raise SystemExit("the production CPU attention disagrees with the reference")
 
 

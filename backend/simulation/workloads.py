@@ -17,6 +17,11 @@ Three shapes, each at three scales (``full`` is what the README reports,
   its parent's prompt, the parent's answer (replayed as prompt text) and a new
   user turn. Requests come level by level, so siblings share their parent's
   whole context and a prefix cache skips all of it.
+* ``prompt-heavy``: about 3.5 prompt tokens for every output token. Most prompts
+  are of mixed length, up to several hundred tokens; the rest sit behind one of a
+  few long shared prefixes (a system prompt or a document) plus a question of
+  their own. Outputs are long-tailed as in ``long-tail``. Prefill, not decode, is
+  most of the work.
 
 Prompts are random token ids in ``[1, vocab_size)``; every request sets
 ``ignore_eos`` so each engine produces exactly ``max_tokens`` per sample.
@@ -32,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-KINDS = ("long-tail", "shared-prefix", "parallel-sampling", "branching-chat")
+KINDS = ("long-tail", "shared-prefix", "parallel-sampling", "branching-chat", "prompt-heavy")
 SCALES = ("full", "quick", "tiny")
 SAMPLING_TEMPERATURE = 0.8
 
@@ -144,24 +149,38 @@ class _BranchingChat:
     output_len: tuple[int, int]
 
 
+@dataclass(frozen=True, slots=True)
+class _PromptHeavy:
+    num_requests: int
+    prompt_len: tuple[int, int]  # a prompt of its own
+    num_prefixes: int
+    prefix_len: int
+    prefixed_share: float  # of requests, behind a shared prefix
+    question_len: tuple[int, int]  # what follows a shared prefix
+    output_len: tuple[int, int]  # long-tailed between the two
+
+
 _SHAPES: dict[str, dict[str, Any]] = {
     "full": {
         "long-tail": _LongTail(256, (32, 512), (16, 512)),
         "shared-prefix": _SharedPrefix(4, 384, 32, 4, (16, 64), (16, 64), (16, 128)),
         "parallel-sampling": _ParallelSampling(32, 4, (64, 256), (32, 128)),
         "branching-chat": _BranchingChat(4, 256, 3, 3, (16, 64), (32, 96), (16, 128)),
+        "prompt-heavy": _PromptHeavy(128, (32, 448), 3, 320, 0.3, (16, 96), (22, 256)),
     },
     "quick": {
         "long-tail": _LongTail(64, (32, 512), (16, 512)),
         "shared-prefix": _SharedPrefix(2, 384, 8, 4, (16, 64), (16, 64), (16, 128)),
         "parallel-sampling": _ParallelSampling(8, 4, (64, 256), (32, 128)),
         "branching-chat": _BranchingChat(2, 256, 3, 2, (16, 64), (32, 96), (16, 128)),
+        "prompt-heavy": _PromptHeavy(32, (32, 448), 2, 320, 0.3, (16, 96), (22, 256)),
     },
     "tiny": {
         "long-tail": _LongTail(12, (4, 40), (2, 24)),
         "shared-prefix": _SharedPrefix(2, 24, 3, 2, (2, 8), (2, 8), (2, 8)),
         "parallel-sampling": _ParallelSampling(3, 2, (4, 16), (2, 8)),
         "branching-chat": _BranchingChat(2, 16, 2, 2, (2, 8), (2, 8), (2, 8)),
+        "prompt-heavy": _PromptHeavy(8, (8, 40), 1, 32, 0.5, (2, 8), (2, 12)),
     },
 }
 
@@ -183,6 +202,8 @@ def make_workload(kind: str, scale: str = "full", seed: int = 0, vocab_size: int
         requests = _shared_prefix(rng, shape, vocab_size)
     elif isinstance(shape, _BranchingChat):
         requests = _branching_chat(rng, shape, vocab_size)
+    elif isinstance(shape, _PromptHeavy):
+        requests = _prompt_heavy(rng, shape, vocab_size)
     else:
         requests = _parallel_sampling(rng, shape, vocab_size, seed)
     return Workload(kind, scale, seed, vocab_size, tuple(requests))
@@ -231,6 +252,21 @@ def _branching_chat(rng: np.random.Generator, shape: _BranchingChat, vocab_size:
         if turn + 1 < shape.depth:
             answered = [prompt + _tokens(rng, _uniform(rng, shape.reply_len), vocab_size) for prompt in prompts]
             level = [history for history in answered for _ in range(shape.branching)]
+    return requests
+
+
+def _prompt_heavy(rng: np.random.Generator, shape: _PromptHeavy, vocab_size: int) -> list[WorkloadRequest]:
+    """Prefixed and standalone requests interleaved at random, as unrelated traffic arrives."""
+    prefixes = [_tokens(rng, shape.prefix_len, vocab_size) for _ in range(shape.num_prefixes)]
+    outputs = long_tail_lengths(rng, shape.num_requests, *shape.output_len)
+    requests = []
+    for out in outputs:
+        if rng.random() < shape.prefixed_share:
+            prompt = prefixes[int(rng.integers(len(prefixes)))] + _tokens(rng, _uniform(rng, shape.question_len),
+                                                                        vocab_size)
+        else:
+            prompt = _tokens(rng, _uniform(rng, shape.prompt_len), vocab_size)
+        requests.append(WorkloadRequest(prompt, int(out)))
     return requests
 
 
