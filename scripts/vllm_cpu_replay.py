@@ -55,6 +55,9 @@ def main() -> int:
     parser.add_argument("--sample", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--kv-cache-gb", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (auto or fp8)")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="a fixed number of KV blocks (num_gpu_blocks_override): a budget that binds")
     args = parser.parse_args()
     if args.serve == bool(args.workload) or (args.serve and args.max_model_len is None) or (
             args.workload and args.out_dir is None):
@@ -78,6 +81,7 @@ def main() -> int:
         model=str(args.model), dtype="float32", seed=seed, block_size=args.block_size,
         max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True,
+        kv_cache_dtype=args.kv_cache_dtype, num_gpu_blocks_override=args.num_kv_blocks,
     )
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     about = {"engine": "vllm-cpu", "vllm_version": vllm.__version__, "torch": torch.__version__,

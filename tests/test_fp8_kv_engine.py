@@ -113,3 +113,20 @@ def test_model_json_takes_kv_cache_dtype_and_names_a_bad_one(tmp_path) -> None:
     (tmp_path / "model.json").write_text('{"kv_cache_dtype": "fp8"}')
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is invalid: expected one of auto, fp8_e4m3, fp8_e5m2"):
         load_engine_config(tmp_path)
+
+
+def test_memory_bench_fp8_row_holds_what_a_bf16_cache_must_queue_for() -> None:
+    """`pagedllm bench memory`'s KV rows at a budget that binds for bfloat16's blocks (here the float32 cache
+    given them): the 8-bit cache holds twice the blocks and runs every request at once, without waiting."""
+    from pagedllm.bench import memory
+    from pagedllm.simulation.workloads import make_workload
+
+    bf16, fp8 = memory.measure_kv_dtypes(make_workload("long-tail", "tiny"), ["bf16-sized", "fp8_e4m3"], 128, 16,
+                                         64, 128)
+    assert bf16["cache_dtype"] == "float32" and bf16["bytes_per_block"] == 2 * bf16["bfloat16_bytes_per_block"]
+    assert fp8["bytes_per_block"] * 2 == fp8["bfloat16_bytes_per_block"]
+    assert fp8["num_blocks"] == 2 * bf16["num_blocks"] == 32
+    assert bf16["request_steps_waiting"] > 0 and bf16["preemptions"] > 0
+    assert fp8["request_steps_waiting"] == 0 and fp8["preemptions"] == 0
+    assert fp8["peak_sequences"] == 12 > bf16["peak_sequences"]  # all 12 requests of the tiny workload
+    assert fp8["output_tokens"] == bf16["output_tokens"]

