@@ -19,8 +19,12 @@ independent oracle that the tests compare this against.
 Float32 decodes skip the gather: :mod:`pagedllm.worker.native_decode` compiles a
 small C routine on first use that reads their blocks in place, 2.4-3.3x faster per
 layer than this gather + SDPA path at 32-128 sequences of 300-1000 tokens
-(``pagedllm bench kernels`` on a CPU). Without a C compiler every decode runs the
-torch path below, which stays tested on its own.
+(``pagedllm bench kernels`` on a CPU). Float32 prefill chunks up to the measured
+crossover (:func:`pagedllm.worker.cpu_attention_plan.native_prefill_wins`) skip it too:
+:mod:`pagedllm.worker.native_prefill` reads their context in place, a cache-sized tile
+at a time, 1.5-6x faster than gather + mask + SDPA for small chunks; bigger chunks stay
+on SDPA. Without a C compiler every decode and prefill runs the torch path below, which
+stays tested on its own.
 
 8-bit (fp8) caches are read without a full-precision copy of the cache: the compiled routine
 dequantizes one block at a time as it reads it, and the torch path dequantizes the blocks it
@@ -194,7 +198,7 @@ class CpuPagedAttention:
                    _scale_value(k_scale), _scale_value(v_scale))
         if native_prefill is not None and layout.native_prefills is not None:
             q = q.contiguous()
-            native_prefill(q, _head_major(k_cache), _head_major(v_cache), layout.native_prefills, scale, out, None,
+            native_prefill(q, _head_major(k_cache), _head_major(v_cache), layout.native_prefills, scale, out,
                            _scale_value(k_scale), _scale_value(v_scale))
         if not layout.block_ids.numel():  # the usual step: the compiled routines read every sequence in place
             return out

@@ -40,7 +40,7 @@ class NativePrefill:
     def __init__(self, library: ctypes.CDLL) -> None:
         pointer, i64 = ctypes.c_void_p, ctypes.c_int64
         layout = [pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int,
-                  pointer, pointer]
+                  pointer]
         self._function = library.pagedllm_paged_prefill_f32
         self._function.restype = ctypes.c_int
         self._function.argtypes = [pointer, pointer, pointer, *layout]
@@ -56,7 +56,6 @@ class NativePrefill:
         prefills: NativePrefills,
         scale: float,
         out: torch.Tensor,  # float32 contiguous, q's shape: the chunks' rows are written
-        lse: torch.Tensor | None = None,  # float32 contiguous [num_tokens, num_heads]: the chunks' rows, if given
         k_scale: float = 1.0,  # an 8-bit cache's scales
         v_scale: float = 1.0,
     ) -> None:
@@ -70,7 +69,7 @@ class NativePrefill:
         starts, query_lens, seq_lens, block_table = prefills.addresses
         layout = (starts, query_lens, seq_lens, block_table, prefills.block_table.shape[1], len(prefills.starts),
                   kv_heads, q.shape[1] // kv_heads, head_dim, num_blocks, block_size, scale, torch.get_num_threads(),
-                  out.data_ptr(), None if lse is None else lse.data_ptr())
+                  out.data_ptr())
         if k_cache.dtype in FP8_DTYPES:
             failed = self._function_fp8(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                         FP8_DTYPES.index(k_cache.dtype), k_scale, v_scale, *layout)

@@ -136,7 +136,7 @@ static inline __attribute__((always_inline)) void values_block(const float* p, i
  * first_pos..), one KV head's group. The float32 cache passes k_head/v_head and NULL byte heads; an 8-bit
  * one the reverse. Inlined per call site so that a constant head_dim unrolls the inner loops. */
 static inline __attribute__((always_inline)) void prefill_item(
-    const float* q, float* out, float* lse, int64_t heads, int64_t group, int64_t head_dim, int64_t head,
+    const float* q, float* out, int64_t heads, int64_t group, int64_t head_dim, int64_t head,
     const float* k_head, const float* v_head, fp8_head k_bytes, fp8_head v_bytes, const int64_t* blocks, int64_t block_size,
     int64_t first, int64_t tokens, int64_t first_pos, int64_t tile_keys, int64_t key_tile, float scale,
     scratch_t* w) {
@@ -212,19 +212,18 @@ static inline __attribute__((always_inline)) void prefill_item(
         const int64_t offset = (first + r / group) * heads + head * group + r % group;
         const float inverse = 1.0f / w->sum[r];
         for (int64_t d = 0; d < head_dim; ++d) out[offset * head_dim + d] = w->acc[r * head_dim + d] * inverse;
-        if (lse) lse[offset] = w->max[r] + logf(w->sum[r]);
     }
 }
 
-/* q, out: [tokens, kv_heads * group, head_dim]; lse (NULL: not written): [tokens, kv_heads * group].
+/* q, out: [tokens, kv_heads * group, head_dim].
  * Sequence i's query_lens[i] tokens are rows starts[i].. and the last of its seq_lens[i] positions; it reads
  * the first seq_lens[i] slots its block-table row lists. head_dim must be a multiple of 16. Returns 0, or 1 when scratch could not be allocated
- * (out and lse are then undefined). */
+ * (out is then undefined). */
 static int paged_prefill(const float* q, const float* k_cache, const float* v_cache, const uint8_t* k8,
                          const uint8_t* v8, int format, float k_scale, float v_scale, const int64_t* starts,
                          const int64_t* query_lens, const int64_t* seq_lens, const int64_t* block_table,
                          int64_t table_width, int64_t num_seqs, int64_t kv_heads, int64_t group, int64_t head_dim,
-                         int64_t num_blocks, int64_t block_size, float scale, int threads, float* out, float* lse) {
+                         int64_t num_blocks, int64_t block_size, float scale, int threads, float* out) {
     const int64_t heads = kv_heads * group, head_numel = num_blocks * block_size * head_dim;
     const int64_t tile_tokens = ROWS_PER_TILE / group > 0 ? ROWS_PER_TILE / group : 1;
     /* A key tile is a whole number of blocks (tile_keys keys), stored key_tile floats apart. */
@@ -274,13 +273,13 @@ static int paged_prefill(const float* q, const float* k_cache, const float* v_ca
             const int64_t* blocks = block_table + seq * table_width;
             const int64_t row = starts[seq] + first;
             if (head_dim == 64)
-                prefill_item(q, out, lse, heads, group, 64, head, k_head, v_head, k_bytes, v_bytes, blocks, block_size,
+                prefill_item(q, out, heads, group, 64, head, k_head, v_head, k_bytes, v_bytes, blocks, block_size,
                              row, tokens, first_pos, tile_keys, key_tile, scale, &w);
             else if (head_dim == 128)
-                prefill_item(q, out, lse, heads, group, 128, head, k_head, v_head, k_bytes, v_bytes, blocks,
+                prefill_item(q, out, heads, group, 128, head, k_head, v_head, k_bytes, v_bytes, blocks,
                              block_size, row, tokens, first_pos, tile_keys, key_tile, scale, &w);
             else
-                prefill_item(q, out, lse, heads, group, head_dim, head, k_head, v_head, k_bytes, v_bytes, blocks,
+                prefill_item(q, out, heads, group, head_dim, head, k_head, v_head, k_bytes, v_bytes, blocks,
                              block_size, row, tokens, first_pos, tile_keys, key_tile, scale, &w);
         }
         free(memory);
@@ -294,10 +293,10 @@ int pagedllm_paged_prefill_f32(const float* q, const float* k_cache, const float
                                const int64_t* query_lens, const int64_t* seq_lens, const int64_t* block_table,
                                int64_t table_width, int64_t num_seqs, int64_t kv_heads, int64_t group,
                                int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale, int threads,
-                               float* out, float* lse) {
+                               float* out) {
     return paged_prefill(q, k_cache, v_cache, NULL, NULL, 0, 1.0f, 1.0f, starts, query_lens, seq_lens, block_table,
                          table_width, num_seqs, kv_heads, group, head_dim, num_blocks, block_size, scale, threads,
-                         out, lse);
+                         out);
 }
 
 /* pagedllm_paged_prefill_f32 over 8-bit caches of one format (0: e4m3fn, 1: e5m2): a K byte stands for its
@@ -306,8 +305,8 @@ int pagedllm_paged_prefill_fp8(const float* q, const uint8_t* k_cache, const uin
                                float k_scale, float v_scale, const int64_t* starts, const int64_t* query_lens,
                                const int64_t* seq_lens, const int64_t* block_table, int64_t table_width,
                                int64_t num_seqs, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t num_blocks,
-                               int64_t block_size, float scale, int threads, float* out, float* lse) {
+                               int64_t block_size, float scale, int threads, float* out) {
     return paged_prefill(q, NULL, NULL, k_cache, v_cache, format, k_scale, v_scale, starts, query_lens, seq_lens,
                          block_table, table_width, num_seqs, kv_heads, group, head_dim, num_blocks, block_size, scale,
-                         threads, out, lse);
+                         threads, out);
 }
