@@ -245,18 +245,21 @@ def native_prefill_wins(query_len: int, seq_len: int) -> bool:
     mask and SDPA's fixed cost, which dominate small chunks, and SDPA's BLAS-backed
     blocks run the products faster, which wins for big ones. Measured with ``pagedllm
     bench kernels`` (:mod:`pagedllm.bench.cpu_prefill`), 1 thread, block 16, tiny (4/2
-    heads) and small (8/2) layouts, SDPA path ms / compiled ms:
+    heads) and small (8/2) layouts, the compiled routine's speed-up (SDPA path ms / compiled
+    ms), tiny / small:
 
-    ============  ==========  ==========  ==========  ==========  ==========
-    context       q 64        q 128       q 256       q 384       q 1024
-    ============  ==========  ==========  ==========  ==========  ==========
-    0             2.8 / 2.1x  2.0 / 1.7x  3.8 / 1.7x  0.8 / 1.2x  0.8 / 0.9x
-    256           --          1.2 / 1.9x  1.1 / 0.9x  0.9 / 1.2x  --
-    1024          --          1.2 / 0.9x  0.8 / 0.9x  0.9 / 0.8x  --
-    2048 (q 64)   1.0 / 1.0x
-    ============  ==========  ==========  ==========  ==========  ==========
+    =======  ==========  ==========  ==========  ==========  ==========  ==========
+    context  q 16        q 64        q 128       q 256       q 384       q 1024
+    =======  ==========  ==========  ==========  ==========  ==========  ==========
+    0        3.6 / 3.7x  2.8 / 2.1x  2.0 / 1.7x  2.2 / 1.7x  0.8 / 1.2x  0.8 / 0.9x
+    256      --          --          1.2 / 1.9x  1.1 / 0.9x  0.9 / 1.2x  --
+    512      1.7 / 2.2x  3.5 / 1.2x  --          0.8 / 0.9x  --          1.0 / 1.0x
+    1024     --          --          1.2 / 0.9x  0.8 / 0.9x  0.9 / 0.8x  --
+    2048     2.7 / 1.1x  1.0 / 1.0x  --          0.8 / 0.6x  --          0.7 / 0.9x
+    =======  ==========  ==========  ==========  ==========  ==========  ==========
 
-    (tiny / small; this shared 2-core host's noise is about +-30% per cell). The
+    (the whole grid, with the milliseconds, is in docs/results/RESULTS.md, "Paged prefill attention
+    on CPU"; this shared 2-core host's noise is about +-30% per cell). The
     compiled routine is 1.5-6x faster below ~50k pairs, level around 100k (q 384 over
     nothing, q 192-256 over 256 cached tokens, q 96-128 over 1024, q 64 over 2048) and
     0.6-0.9x above: the rule draws the line at 96k pairs.
