@@ -11,8 +11,8 @@ FP8 checkpoint against transformers.
    (fp32 and bf16) against the dequantized path that rounds inputs the same way. Skipped below capability 8.9.
 4. A compressed-tensors FP8 checkpoint (per-channel dynamic, per-tensor static): dequantized once, it decodes
    transformers' greedy tokens (input rounding off); on _scaled_mm it follows transformers rounding inputs to
-   FP8 (teacher-forced top-1 >= 85% on this random model, and closer than the dequantized path). Needs the
-   compressed-tensors package: without it this part says so and is skipped.
+   FP8 (teacher-forced top-1 >= 85% on this random model, and closer than the dequantized path), and runs with
+   CUDA graphs. Needs the compressed-tensors package: without it this part says so and is skipped.
 """
 import sys
 import tempfile
