@@ -7,7 +7,7 @@
 # machine, so they are uninstalled right after (vllm's text-only path does not need them).
 #
 # usage: scripts/vllm_cpu_bench.sh [--models tiny,small] [--scale full] [--small-scale quick]
-#                                  [--workloads long-tail,shared-prefix,parallel-sampling,branching-chat]
+#                                  [--workloads long-tail,shared-prefix,parallel-sampling,branching-chat,prompt-heavy]
 #                                  [--small-workloads long-tail] [--out docs/results] [--build-only]
 #   (the same cases, by default, as `pagedllm bench throughput`)
 #   env: VLLM_VENV (default ~/.cache/pagedllm/vllm-cpu-venv), VLLM_CPU_VERSION (default 0.32.0),
@@ -24,7 +24,7 @@ THREADS="${THREADS:-1}"
 MODELS="tiny,small"
 SCALE="full"
 SMALL_SCALE="quick"
-WORKLOADS="long-tail,shared-prefix,parallel-sampling,branching-chat"
+WORKLOADS="long-tail,shared-prefix,parallel-sampling,branching-chat,prompt-heavy"
 SMALL_WORKLOADS="long-tail"
 OUT="$ROOT/docs/results"
 while [[ $# -gt 0 ]]; do
