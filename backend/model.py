@@ -265,9 +265,9 @@ class TritonPythonModel:
             except OSError as error:
                 self._logger.log_error(f"[pagedllm] could not tell pagedllm serve to reload the model: {error}")
 
-    def _push(self, key: str, sender: Any, item: Data | Failure) -> None:
+    def _push(self, key: str, sender: Any, item: Data | Failure, inline: bool = False) -> None:
         try:
-            self._dispatcher.push(key, sender, item)
+            self._dispatcher.push(key, sender, item, inline)
         except RuntimeError:  # the sender thread is gone (after finalize): answer directly
             if isinstance(item, Failure):
                 self._send_error_now(sender, item.message, item.code)
@@ -287,7 +287,9 @@ class TritonPythonModel:
             return
         tensors = stream.assembler.add(output)
         if tensors is not None or output.finished:
-            self._push(stream.request_id, stream.sender, Data(tensors, output.finished))
+            # A lone stream's tokens are sent from this (the loop) thread: one thread switch less per token.
+            self._push(stream.request_id, stream.sender, Data(tensors, output.finished),
+                       inline=len(self._streams) <= 1)
 
     def _send(self, sender: Any, tensors: Tensors | None, final: bool) -> None:
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0

@@ -81,3 +81,24 @@ def test_a_failing_send_does_not_stop_the_thread() -> None:
     dispatcher.push("2", "good", Data(text("y"), True))
     dispatcher.close()
     assert sent == ["good"]
+
+
+def test_inline_items_are_sent_on_the_callers_thread_only_when_the_dispatcher_is_idle() -> None:
+    threads: list[str] = []
+    release = threading.Event()
+
+    def send_data(target: str, tensors: object, final: bool) -> None:
+        threads.append(f"{target}:{threading.current_thread().name}")
+        if target == "slow":
+            release.wait(5)
+
+    dispatcher = ResponseDispatcher(send_data, lambda *args: None)
+    dispatcher.push("a", "A", Data(text("a1"), False), inline=True)
+    dispatcher.push("s", "slow", Data(text("s1"), False))  # keeps the sender thread busy
+    while dispatcher._outboxes:
+        time.sleep(0.001)
+    dispatcher.push("a", "A", Data(text("a2"), False), inline=True)  # busy: queued behind it instead
+    release.set()
+    dispatcher.close()
+    me = threading.current_thread().name
+    assert threads == [f"A:{me}", "slow:pagedllm-sender", "A:pagedllm-sender"]

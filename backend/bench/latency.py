@@ -66,7 +66,8 @@ GRPC_FIRST = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=12, help="per front door, one at a time")
-    parser.add_argument("--prompt-words", type=int, default=200, help="about 1.3 tokens per word")
+    parser.add_argument("--prompt-words", type=int, default=60,
+                        help="random words \"w<n>\": about 4.5 tokens each with the tiny model's tokenizer")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)

@@ -8,6 +8,12 @@ token counts summed; see ``response_codec.merge_tensors``). When sending keeps u
 that is exactly one response per engine step; when it does not, clients get fewer,
 larger responses instead of growing latency. Errors are never merged: an error ends
 its request with the FINAL flag.
+
+A caller may ask for ``inline`` delivery: when nothing is queued or being sent, the item is
+sent on the caller's thread at once, which spares a lone stream one thread switch (and its
+wait for the interpreter lock) per token. The Triton model asks for it while it serves a
+single request; under load everything goes through the sender thread, as before. At most
+one send runs at a time either way, so each request's responses stay in order.
 """
 from __future__ import annotations
 
@@ -47,21 +53,33 @@ class ResponseDispatcher:
         self._outboxes: dict[str, tuple[Any, list[Data | Failure]]] = {}
         self._ready: deque[str] = deque()
         self._changed = threading.Condition()
+        self._sending = False  # a delivery is under way, on the sender thread or inline
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="pagedllm-sender", daemon=True)
         self._thread.start()
 
-    def push(self, key: str, target: Any, item: Data | Failure) -> None:
-        """Queue ``item`` for the request ``key`` (``target`` is its response sender)."""
+    def push(self, key: str, target: Any, item: Data | Failure, inline: bool = False) -> None:
+        """Queue ``item`` for the request ``key`` (``target`` is its response sender); with ``inline``, send
+        it on this thread instead when nothing else is queued or being sent."""
         with self._changed:
             if self._closing:
                 raise RuntimeError("response dispatcher is closed")
-            if key in self._outboxes:
+            inline = inline and not self._sending and not self._outboxes
+            if inline:
+                self._sending = True
+            elif key in self._outboxes:
                 self._outboxes[key][1].append(item)
             else:
                 self._outboxes[key] = (target, [item])
                 self._ready.append(key)
                 self._changed.notify()
+        if inline:
+            try:
+                self._deliver(key, target, [item])
+            finally:
+                with self._changed:
+                    self._sending = False
+                    self._changed.notify()  # pushes that queued meanwhile wait for the sender thread
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Send everything queued (for at most ``timeout_s``), then stop the thread."""
@@ -75,13 +93,18 @@ class ResponseDispatcher:
     def _run(self) -> None:
         while True:
             with self._changed:
-                while not self._ready and not self._closing:
+                while not (self._ready and not self._sending) and not (self._closing and not self._ready):
                     self._changed.wait()
                 if not self._ready:
                     return
                 key = self._ready.popleft()
                 target, items = self._outboxes.pop(key)
-            self._deliver(key, target, items)
+                self._sending = True
+            try:
+                self._deliver(key, target, items)
+            finally:
+                with self._changed:
+                    self._sending = False
 
     def _deliver(self, key: str, target: Any, items: list[Data | Failure]) -> None:
         pending: list[Data] = []
