@@ -5,10 +5,11 @@ for the rule); the experts' weights are stacked per layer, gate|up as
 ``[E, 2 * I, H]`` and down as ``[E, H, I]``, so one kernel call serves every
 expert. On CUDA that is the Triton-lang fused kernel
 (:func:`pagedllm.kernels.fused_moe.fused_moe`); on the CPU in float32 a compiled
-C routine that runs every expert of a step in one call (:mod:`pagedllm.models.moe_cpu`);
-elsewhere the kernel's plain-torch twin, which groups the tokens by expert with
-one sort and runs each chosen expert's GEMMs on its own tokens. Qwen2-MoE adds a shared expert that every token runs,
-scaled by a sigmoid gate.
+C routine that runs every expert of a step in one call, on weights it packs once
+(:mod:`pagedllm.models.moe_cpu`); elsewhere the kernel's plain-torch twin, which
+groups the tokens by expert with one sort and runs each chosen expert's GEMMs on
+its own tokens. Qwen2-MoE adds a shared expert that every token runs, scaled by a
+sigmoid gate.
 
 Under tensor parallelism each rank holds a slice of every expert, split like
 the dense MLP (gate|up rows and down columns of the intermediate dimension,

@@ -108,15 +108,14 @@ static inline int tile_rows(const int64_t* order, int64_t first, int64_t stop, i
  * out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j], for
  * hidden rows x_t (row stride hidden_stride); the weights packed in panels of 8 output columns,
  * gate|up (gate columns, then up) as [E, ceil(2I / 8), H, 8] and down as [E, ceil(H / 8), I, 8],
- * zero-padded, contiguous (moe_cpu.py's pack_experts); topk_weights and topk_ids [T, top_k] contiguous; out [T, H]
- * contiguous (overwritten). Scratch: gate_up [T * top_k, 2I] floats, order [T * top_k] and
+ * zero-padded, contiguous (moe_cpu.py's pack_experts); topk_weights and topk_ids [T, top_k]
+ * contiguous; out [T, H] contiguous (overwritten). Scratch: gate_up [T * top_k, 2I] floats, order [T * top_k] and
  * starts [E + 1] int64. Returns 0, or -1 (out untouched) when an expert id is outside [0, E).
  */
 int pagedllm_moe_experts_f32(const float* hidden, int64_t num_tokens, int64_t hidden_size, int64_t hidden_stride,
                              const float* w_gate_up_packed, const float* w_down_packed, int64_t num_experts,
-                             int64_t inter,
-                             const float* topk_weights, const int64_t* topk_ids, int64_t top_k, float* out,
-                             float* gate_up, int64_t* order, int64_t* starts, int threads) {
+                             int64_t inter, const float* topk_weights, const int64_t* topk_ids, int64_t top_k,
+                             float* out, float* gate_up, int64_t* order, int64_t* starts, int threads) {
     const int64_t choices = num_tokens * top_k, width = 2 * inter;
     memset(starts, 0, (size_t)(num_experts + 1) * sizeof *starts);
     for (int64_t c = 0; c < choices; ++c) {
