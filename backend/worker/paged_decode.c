@@ -230,7 +230,10 @@ static int paged_decode(const float* q, const float* k_cache, const float* v_cac
     const int64_t heads = kv_heads * group;
     const int64_t head_numel = num_blocks * block_size * head_dim;
     const int64_t scratch_numel = k8 ? block_size * head_dim : 0;
-#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
+    /* Threads take 4 (sequence, KV head) items at a time, so with 4 or fewer one thread does all the work:
+     * then no team is formed, since joining one costs a wake-up of threads the serving side may be
+     * holding the other CPUs with (a lone stream on a small host). */
+#pragma omp parallel num_threads(threads) if (threads > 1 && num_seqs * kv_heads > 4) reduction(| : failed)
     {
         float* scores = malloc(sizeof(float) * (size_t)(group * (max_len > 0 ? max_len : 1) + scratch_numel));
         float* scratch = scores ? scores + group * (max_len > 0 ? max_len : 1) : NULL;
