@@ -82,6 +82,7 @@ class _Stream:
     sender: Any  # pb_utils.InferenceResponseSender
     assembler: ResponseAssembler
     ended: bool = False
+    answered: bool = False  # a response was queued: the next one is not the first
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def end(self) -> bool:
@@ -265,9 +266,9 @@ class TritonPythonModel:
             except OSError as error:
                 self._logger.log_error(f"[pagedllm] could not tell pagedllm serve to reload the model: {error}")
 
-    def _push(self, key: str, sender: Any, item: Data | Failure, inline: bool = False) -> None:
+    def _push(self, key: str, sender: Any, item: Data | Failure, inline: bool = False, first: bool = False) -> None:
         try:
-            self._dispatcher.push(key, sender, item, inline)
+            self._dispatcher.push(key, sender, item, inline, first)
         except RuntimeError:  # the sender thread is gone (after finalize): answer directly
             if isinstance(item, Failure):
                 self._send_error_now(sender, item.message, item.code)
@@ -287,9 +288,11 @@ class TritonPythonModel:
             return
         tensors = stream.assembler.add(output)
         if tensors is not None or output.finished:
-            # A lone stream's tokens are sent from this (the loop) thread: one thread switch less per token.
+            # A lone stream's tokens are sent from this (the loop) thread: one thread switch less per token;
+            # under load a first token goes ahead of the other streams' next ones.
+            first, stream.answered = not stream.answered, True
             self._push(stream.request_id, stream.sender, Data(tensors, output.finished),
-                       inline=len(self._streams) <= 1)
+                       inline=len(self._streams) <= 1, first=first)
 
     def _send(self, sender: Any, tensors: Tensors | None, final: bool) -> None:
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0

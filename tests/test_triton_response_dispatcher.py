@@ -102,3 +102,18 @@ def test_inline_items_are_sent_on_the_callers_thread_only_when_the_dispatcher_is
     dispatcher.close()
     me = threading.current_thread().name
     assert threads == [f"A:{me}", "slow:pagedllm-sender", "A:pagedllm-sender"]
+
+
+def test_a_first_response_goes_ahead_of_the_requests_already_waiting() -> None:
+    recorder = Recorder()
+    recorder.gate.clear()  # the sender is stuck on one response while more arrive
+    dispatcher = ResponseDispatcher(recorder.send_data, recorder.send_failure)
+    dispatcher.push("a", "A", Data(text("a1"), False))
+    while dispatcher._outboxes:
+        time.sleep(0.001)
+    dispatcher.push("a", "A", Data(text("a2"), False))
+    dispatcher.push("b", "B", Data(text("b2"), False))
+    dispatcher.push("c", "C", Data(text("c1"), False), first=True)
+    recorder.gate.set()
+    dispatcher.close()
+    assert [target for target, _, _ in recorder.sent] == ["A", "C", "A", "B"]
