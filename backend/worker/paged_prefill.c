@@ -11,9 +11,8 @@
  * once for the whole group). An item walks the context in key tiles of about KEYS_PER_TILE keys: the
  * tile's K is transposed (dequantized first for an 8-bit cache) into a small scratch matrix and its V
  * rows are read in place (or dequantized into scratch), and every query row of the item reads them
- * there, from L1, before the next key tile (flash attention's online softmax). Scores are 4-row x
- * 16-key register blocks of broadcast-FMAs, and P.V is 4-row x 16-dim blocks, in gcc vector extensions
- * of 8 floats, which every x86-64 with AVX2 (and aarch64 through NEON pairs) compiles well.
+ * there, from L1, before the next key tile (flash attention's online softmax). Both products are register
+ * blocks of broadcast-FMAs in gcc vector extensions (see VL below).
  */
 #include <float.h>
 #include <math.h>
@@ -27,51 +26,78 @@
  * checkpoint's heads, 32-512 queries over 0-1024 cached tokens); the tile's K^T and V are 32 KB, L1's size. */
 #define ROWS_PER_TILE 64
 #define KEYS_PER_TILE 64 /* about: a key tile holds whole cache blocks, at least one */
+
+/* Vectors of VL floats. The two matrix products run in register blocks of ROW_BLOCK query rows x 2 vectors
+ * (of keys for the scores, of head dimensions for P.V). With AVX-512 that is 8 rows x 32 columns: 16 of the
+ * 32 registers accumulate and each broadcast value feeds 2 FMAs of 16 lanes; elsewhere 4 rows x 16 columns
+ * in 8-lane vectors, which every x86-64 with AVX2 (and aarch64 through NEON pairs) compiles well. On an
+ * AVX-512 Xeon, chunks of 64-384 tokens over 0-512 cached ones took 0.83-0.94x the 8-lane build's time
+ * (tiny and small checkpoints' heads, 1 thread, both builds interleaved in one process); a 16-token chunk
+ * with no context took 1.3x (its keys pad to 32), a few microseconds. */
+#ifdef __AVX512F__
+#define VL 16
+#define ROW_BLOCK 8
+#else
+#define VL 8
 #define ROW_BLOCK 4
+#endif
+#define COLUMN_BLOCK (2 * VL)
 
-typedef float v8 __attribute__((vector_size(32)));
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vfi __attribute__((vector_size(VL * 4)));
 
-static inline v8 load8(const float* p) {
-    v8 v;
+static inline vf loadv(const float* p) {
+    vf v;
     __builtin_memcpy(&v, p, sizeof v);
     return v;
 }
 
-static inline void store8(float* p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
+static inline void storev(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
 
-typedef int32_t v8i __attribute__((vector_size(32)));
+static inline vf splat(float x) {
+    vf v;
+    for (int i = 0; i < VL; ++i) v[i] = x;
+    return v;
+}
+
+static inline vfi lane_indices(void) {
+    vfi v;
+    for (int i = 0; i < VL; ++i) v[i] = i;
+    return v;
+}
 
 /* Lanes of a where mask is set (all ones), of b elsewhere. */
-static inline v8 select8(v8i mask, v8 a, v8 b) { return (v8)(((v8i)a & mask) | ((v8i)b & ~mask)); }
+static inline vf selectv(vfi mask, vf a, vf b) { return (vf)(((vfi)a & mask) | ((vfi)b & ~mask)); }
 
-/* exp_nonpositive (exp_nonpositive.h) on 8 lanes, spelled in vector extensions: gcc leaves the scalar one
+/* exp_nonpositive (exp_nonpositive.h) on VL lanes, spelled in vector extensions: gcc leaves the scalar one
  * unvectorized in this routine's softmax loop, where it then costs as much as the two matrix products. */
-static inline v8 exp8(v8 x) {
-    const v8 floor = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
-    x = select8(x < floor, floor, x);
+static inline vf expv(vf x) {
+    x = selectv(x < -87.0f, splat(-87.0f), x);
     /* round to nearest through the float mantissa: |x * log2(e)| < 2^22 */
-    const v8 n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
-    const v8 r = x - n * 0.693145752f - n * 1.42860677e-6f;
-    v8 p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
+    const vf n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
+    const vf r = x - n * 0.693145752f - n * 1.42860677e-6f;
+    vf p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
     p = p * r + 1.0f / 24.0f;
     p = p * r + 1.0f / 6.0f;
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    const v8i scale = (__builtin_convertvector(n, v8i) + 127) << 23;
-    return p * (v8)scale;
+    const vfi scale = (__builtin_convertvector(n, vfi) + 127) << 23;
+    return p * (vf)scale;
 }
 
-static inline v8 max_lanes(v8 a, v8 b) { return select8(a > b, a, b); }
+static inline vf max_lanes(vf a, vf b) { return selectv(a > b, a, b); }
 
-static inline float max8(v8 v) {
+static inline float maxv(vf v) {
     float m = v[0];
-    for (int i = 1; i < 8; ++i) m = v[i] > m ? v[i] : m;
+    for (int i = 1; i < VL; ++i) m = v[i] > m ? v[i] : m;
     return m;
 }
 
-static inline float sum8(v8 v) {
-    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+static inline float sumv(vf v) {
+    float sum = 0.0f;
+    for (int i = 0; i < VL; ++i) sum += v[i];
+    return sum;
 }
 
 /* One item's scratch: transposed keys [head_dim][key_tile], dequantized V [key_tile][head_dim] and one
@@ -84,13 +110,14 @@ typedef struct {
 
 static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-/* S[r][c..c+16) = scale * q_r . K[c..c+16) for ROW_BLOCK rows r0.., from the transposed keys. */
+/* S[r][c..c+COLUMN_BLOCK) = scale * q_r . K[c..c+COLUMN_BLOCK) for ROW_BLOCK rows r0.., from the transposed
+ * keys. */
 static inline __attribute__((always_inline)) void scores_block(const float* const* q, int64_t head_dim,
                                                                const float* keys_t, int64_t key_tile, int64_t c,
                                                                float scale, float* s) {
-    v8 a[ROW_BLOCK][2] = {{{0}}};
+    vf a[ROW_BLOCK][2] = {{{0}}};
     for (int64_t d = 0; d < head_dim; ++d) {
-        const v8 k0 = load8(keys_t + d * key_tile + c), k1 = load8(keys_t + d * key_tile + c + 8);
+        const vf k0 = loadv(keys_t + d * key_tile + c), k1 = loadv(keys_t + d * key_tile + c + VL);
         for (int r = 0; r < ROW_BLOCK; ++r) {
             const float x = q[r][d];
             a[r][0] += k0 * x;
@@ -98,38 +125,34 @@ static inline __attribute__((always_inline)) void scores_block(const float* cons
         }
     }
     for (int r = 0; r < ROW_BLOCK; ++r) {
-        store8(s + r * key_tile + c, a[r][0] * scale);
-        store8(s + r * key_tile + c + 8, a[r][1] * scale);
+        storev(s + r * key_tile + c, a[r][0] * scale);
+        storev(s + r * key_tile + c + VL, a[r][1] * scale);
     }
 }
 
-/* acc[r][d0..d0+16) += sum_t P[r][t] V[t][d0..d0+16) for ROW_BLOCK rows, over keys [0, keys) of a tile whose
- * V rows lie in segments of block_size rows (segment j at values[j]). */
+/* acc[r][d0..d0 + vectors * VL) += sum_t P[r][t] V[t][d0..) for ROW_BLOCK rows, over keys [0, keys) of a
+ * tile whose V rows lie in segments of block_size rows (segment j at values[j]); vectors is 1 or 2. */
 static inline __attribute__((always_inline)) void values_block(const float* p, int64_t key_tile,
                                                                const float* const* values, int64_t block_size,
                                                                int64_t keys, int64_t head_dim, int64_t d0,
-                                                               float* acc) {
-    v8 a[ROW_BLOCK][2];
-    for (int r = 0; r < ROW_BLOCK; ++r) {
-        a[r][0] = load8(acc + r * head_dim + d0);
-        a[r][1] = load8(acc + r * head_dim + d0 + 8);
-    }
+                                                               int vectors, float* acc) {
+    vf a[ROW_BLOCK][2];
+    for (int r = 0; r < ROW_BLOCK; ++r)
+        for (int i = 0; i < vectors; ++i) a[r][i] = loadv(acc + r * head_dim + d0 + i * VL);
     for (int64_t j = 0, t0 = 0; t0 < keys; ++j, t0 += block_size) {
         const int64_t n = keys - t0 < block_size ? keys - t0 : block_size;
         for (int64_t t = 0; t < n; ++t) {
             const float* v = values[j] + t * head_dim + d0;
-            const v8 v0 = load8(v), v1 = load8(v + 8);
+            vf row[2];
+            for (int i = 0; i < vectors; ++i) row[i] = loadv(v + i * VL);
             for (int r = 0; r < ROW_BLOCK; ++r) {
                 const float w = p[r * key_tile + t0 + t];
-                a[r][0] += v0 * w;
-                a[r][1] += v1 * w;
+                for (int i = 0; i < vectors; ++i) a[r][i] += row[i] * w;
             }
         }
     }
-    for (int r = 0; r < ROW_BLOCK; ++r) {
-        store8(acc + r * head_dim + d0, a[r][0]);
-        store8(acc + r * head_dim + d0 + 8, a[r][1]);
-    }
+    for (int r = 0; r < ROW_BLOCK; ++r)
+        for (int i = 0; i < vectors; ++i) storev(acc + r * head_dim + d0 + i * VL, a[r][i]);
 }
 
 /* One item: query tokens [first, first + tokens) of a sequence (rows first.. of q/out, positions
@@ -153,7 +176,7 @@ static inline __attribute__((always_inline)) void prefill_item(
     for (int64_t start = 0; start <= last_pos; start += tile_keys) {
         /* Keys past the tile's last query position are seen by no row: they are neither staged nor scored. */
         const int64_t keys = last_pos + 1 - start < tile_keys ? last_pos + 1 - start : tile_keys;
-        const int64_t width = round_up(keys, 16);
+        const int64_t width = round_up(keys, COLUMN_BLOCK);
         for (int64_t j = 0, t0 = 0; t0 < keys; ++j, t0 += block_size) {
             const int64_t n = keys - t0 < block_size ? keys - t0 : block_size;
             const int64_t block = blocks[(start + t0) / block_size];
@@ -168,30 +191,29 @@ static inline __attribute__((always_inline)) void prefill_item(
         for (int64_t t = keys; t < width; ++t)
             for (int64_t d = 0; d < head_dim; ++d) w->keys_t[d * key_tile + t] = 0.0f;
         for (int64_t r0 = 0; r0 < padded; r0 += ROW_BLOCK)
-            for (int64_t c = 0; c < width; c += 16)
+            for (int64_t c = 0; c < width; c += COLUMN_BLOCK)
                 scores_block(w->q_rows + r0, head_dim, w->keys_t, key_tile, c, scale, w->scores + r0 * key_tile);
         /* Online softmax: row r sees this tile's first `seen` keys (a prefix, as the mask is causal). */
-        const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
-        const v8 zero = {0};
-        const v8 minus_inf = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        const vfi lane = lane_indices();
+        const vf zero = splat(0.0f);
         for (int64_t r = 0; r < padded; ++r) {
             float* s = w->scores + r * key_tile;
             const int64_t limit = first_pos + (r < rows ? r : rows - 1) / group - start + 1;
             const int64_t seen = r >= rows || limit <= 0 ? 0 : limit < keys ? limit : keys;
-            v8 vmax = minus_inf;
-            for (int64_t t = 0; t < seen; t += 8)
-                vmax = select8(lane + (int32_t)t < (int32_t)seen, max_lanes(vmax, load8(s + t)), vmax);
-            const float tile_max = max8(vmax);
+            vf vmax = splat(-INFINITY);
+            for (int64_t t = 0; t < seen; t += VL)
+                vmax = selectv(lane + (int32_t)t < (int32_t)seen, max_lanes(vmax, loadv(s + t)), vmax);
+            const float tile_max = maxv(vmax);
             const float new_max = tile_max > w->max[r] ? tile_max : w->max[r];
-            v8 vsum = zero;
+            vf vsum = zero;
             int64_t t = 0;
-            for (; t < seen; t += 8) {
-                const v8 weights = select8(lane + (int32_t)t < (int32_t)seen, exp8(load8(s + t) - new_max), zero);
-                store8(s + t, weights);
+            for (; t < seen; t += VL) {
+                const vf weights = selectv(lane + (int32_t)t < (int32_t)seen, expv(loadv(s + t) - new_max), zero);
+                storev(s + t, weights);
                 vsum += weights;
             }
-            for (; t < keys; t += 8) store8(s + t, zero);
-            const float sum = sum8(vsum);
+            for (; t < keys; t += VL) storev(s + t, zero);
+            const float sum = sumv(vsum);
             if (seen == 0 || new_max == w->max[r]) {
                 w->sum[r] += sum;
                 continue;
@@ -204,9 +226,15 @@ static inline __attribute__((always_inline)) void prefill_item(
             for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
         }
         for (int64_t r0 = 0; r0 < padded; r0 += ROW_BLOCK)
-            for (int64_t d0 = 0; d0 < head_dim; d0 += 16)
-                values_block(w->scores + r0 * key_tile, key_tile, segments, block_size, keys, head_dim, d0,
+        {
+            int64_t d0 = 0;
+            for (; d0 + COLUMN_BLOCK <= head_dim; d0 += COLUMN_BLOCK)
+                values_block(w->scores + r0 * key_tile, key_tile, segments, block_size, keys, head_dim, d0, 2,
                              w->acc + r0 * head_dim);
+            for (; d0 < head_dim; d0 += VL) /* head_dim is a multiple of 16: at most one 16-lane vector is left */
+                values_block(w->scores + r0 * key_tile, key_tile, segments, block_size, keys, head_dim, d0, 1,
+                             w->acc + r0 * head_dim);
+        }
     }
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t offset = (first + r / group) * heads + head * group + r % group;
@@ -228,7 +256,7 @@ static int paged_prefill(const float* q, const float* k_cache, const float* v_ca
     const int64_t tile_tokens = ROWS_PER_TILE / group > 0 ? ROWS_PER_TILE / group : 1;
     /* A key tile is a whole number of blocks (tile_keys keys), stored key_tile floats apart. */
     const int64_t tile_keys = block_size < KEYS_PER_TILE ? KEYS_PER_TILE / block_size * block_size : block_size;
-    const int64_t key_tile = round_up(tile_keys, 16);
+    const int64_t key_tile = round_up(tile_keys, COLUMN_BLOCK);
     const int64_t padded_rows = round_up(tile_tokens * group, ROW_BLOCK);
     int64_t tiles = 0;
     for (int64_t s = 0; s < num_seqs; ++s) tiles += (query_lens[s] + tile_tokens - 1) / tile_tokens;
