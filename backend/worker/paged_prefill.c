@@ -7,12 +7,14 @@
  * the cached context in full and the chunk causally.
  *
  * Work is split into items of (sequence, KV head, query tile): a tile is up to ROWS_PER_TILE query rows,
- * the tile's tokens times the KV head's group of query heads (GQA packed: every K and V row is loaded
- * once for the whole group). An item walks the context in key tiles of about KEYS_PER_TILE keys: the
- * tile's K is transposed (dequantized first for an 8-bit cache) into a small scratch matrix and its V
- * rows are read in place (or dequantized into scratch), and every query row of the item reads them
- * there, from L1, before the next key tile (flash attention's online softmax). Both products are register
- * blocks of broadcast-FMAs in gcc vector extensions (see VL below).
+ * the tile's tokens times the KV head's group of query heads (GQA packed: every K and V row is read once
+ * for the whole group). An item walks the context in key tiles of about KEYS_PER_TILE keys (flash
+ * attention's online softmax), reading K and V rows where they lie (an 8-bit cache's blocks are
+ * dequantized into scratch first). The item's rows are kept transposed, as columns: its queries
+ * (scaled) [head_dim][rows], the tile's scores [keys][rows] and its output accumulators [head_dim][rows],
+ * so that both products are register blocks of a few keys (or head dimensions) broadcast against vectors
+ * of rows, the K and V rows are read in place without a transposed copy, and the softmax, the causal
+ * mask and the rescaling run on vectors of rows. The output is transposed back once per item.
  */
 #include <float.h>
 #include <math.h>
@@ -22,26 +24,26 @@
 #include "exp_nonpositive.h"
 #include "fp8_dequant.h"
 
-/* 64 query rows and 64 keys per tile: 128 of either was no faster (A/B in one process, 1 thread, small
- * checkpoint's heads, 32-512 queries over 0-1024 cached tokens); the tile's K^T and V are 32 KB, L1's size. */
+/* 64 query rows and 64 keys per tile: 128 of either was no faster with the earlier row-major layout (A/B
+ * in one process, 1 thread, small checkpoint's heads, 32-512 queries over 0-1024 cached tokens). */
 #define ROWS_PER_TILE 64
 #define KEYS_PER_TILE 64 /* about: a key tile holds whole cache blocks, at least one */
 
-/* Vectors of VL floats. The two matrix products run in register blocks of ROW_BLOCK query rows x 2 vectors
- * (of keys for the scores, of head dimensions for P.V). With AVX-512 that is 8 rows x 32 columns: 16 of the
- * 32 registers accumulate and each broadcast value feeds 2 FMAs of 16 lanes; elsewhere 4 rows x 16 columns
- * in 8-lane vectors, which every x86-64 with AVX2 (and aarch64 through NEON pairs) compiles well. On an
- * AVX-512 Xeon, chunks of 64-384 tokens over 0-512 cached ones took 0.83-0.94x the 8-lane build's time
- * (tiny and small checkpoints' heads, 1 thread, both builds interleaved in one process); a 16-token chunk
- * with no context took 1.3x (its keys pad to 32), a few microseconds. */
+/* Vectors of VL floats, and register blocks of KEY_BLOCK keys (or head dimensions) x up to ROW_VECTORS
+ * vectors of rows: with AVX-512 16 accumulators of the 32 registers, each broadcast value feeding 4 FMAs
+ * of 16 lanes; elsewhere 8 of 16 in 8-lane vectors, which every x86-64 with AVX2 (and aarch64 through
+ * NEON pairs) compiles well. On an AVX-512 Xeon this layout ran chunks of 16-384 tokens after 128-512
+ * cached ones, and of 256-384 with none, in 0.57-0.73x the time of the row-major one it replaced (which
+ * staged a transposed copy of every key tile and ran the softmax row by row); chunks of 16-64 tokens with
+ * no context ran level (1 thread, tiny and small heads, both builds interleaved in one process). */
 #ifdef __AVX512F__
 #define VL 16
-#define ROW_BLOCK 8
+#define ROW_VECTORS 4
 #else
 #define VL 8
-#define ROW_BLOCK 4
+#define ROW_VECTORS 2
 #endif
-#define COLUMN_BLOCK (2 * VL)
+#define KEY_BLOCK 4
 
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef int32_t vfi __attribute__((vector_size(VL * 4)));
@@ -57,12 +59,6 @@ static inline void storev(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
 static inline vf splat(float x) {
     vf v;
     for (int i = 0; i < VL; ++i) v[i] = x;
-    return v;
-}
-
-static inline vfi lane_indices(void) {
-    vfi v;
-    for (int i = 0; i < VL; ++i) v[i] = i;
     return v;
 }
 
@@ -88,72 +84,82 @@ static inline vf expv(vf x) {
 
 static inline vf max_lanes(vf a, vf b) { return selectv(a > b, a, b); }
 
-static inline float maxv(vf v) {
-    float m = v[0];
-    for (int i = 1; i < VL; ++i) m = v[i] > m ? v[i] : m;
-    return m;
-}
 
-static inline float sumv(vf v) {
-    float sum = 0.0f;
-    for (int i = 0; i < VL; ++i) sum += v[i];
-    return sum;
-}
-
-/* One item's scratch: transposed keys [head_dim][key_tile], dequantized V [key_tile][head_dim] and one
- * dequantized K block, scores/probabilities [rows][key_tile], accumulators [rows][head_dim], and the
- * online softmax's running max and sum per row; rows padded to a multiple of ROW_BLOCK. */
+/* One item's scratch, rows padded to a multiple of VL and stored as columns: the scaled queries
+ * transposed [head_dim][rows], scores and then probabilities transposed [key_tile][rows], the output
+ * accumulators transposed [head_dim][rows], per row the online softmax's running max and sum and its
+ * position; a dequantized K block and the tile's dequantized V rows for an 8-bit cache. */
 typedef struct {
-    float *keys_t, *values, *block, *scores, *acc, *max, *sum;
-    const float** q_rows;
+    float *q_t, *s_t, *acc_t, *max, *sum, *block, *values;
+    int32_t* positions;
 } scratch_t;
 
 static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-/* S[r][c..c+COLUMN_BLOCK) = scale * q_r . K[c..c+COLUMN_BLOCK) for ROW_BLOCK rows r0.., from the transposed
- * keys. */
-static inline __attribute__((always_inline)) void scores_block(const float* const* q, int64_t head_dim,
-                                                               const float* keys_t, int64_t key_tile, int64_t c,
-                                                               float scale, float* s) {
-    vf a[ROW_BLOCK][2] = {{{0}}};
+/* s_t[t][rows of vectors v0..v0+nv) = sum_d K[t][d] q_t[d][..] for keys t0..t0+nk of one cache block. */
+static inline __attribute__((always_inline)) void scores_block(const float* q_t, int64_t stride, int64_t head_dim,
+                                                               const float* keys, int nk, int nv, float* s_t) {
+    vf a[KEY_BLOCK][ROW_VECTORS];
+    for (int k = 0; k < nk; ++k)
+        for (int v = 0; v < nv; ++v) a[k][v] = splat(0.0f);
     for (int64_t d = 0; d < head_dim; ++d) {
-        const vf k0 = loadv(keys_t + d * key_tile + c), k1 = loadv(keys_t + d * key_tile + c + VL);
-        for (int r = 0; r < ROW_BLOCK; ++r) {
-            const float x = q[r][d];
-            a[r][0] += k0 * x;
-            a[r][1] += k1 * x;
+        vf q[ROW_VECTORS];
+        for (int v = 0; v < nv; ++v) q[v] = loadv(q_t + d * stride + v * VL);
+        for (int k = 0; k < nk; ++k) {
+            const float x = keys[k * head_dim + d];
+            for (int v = 0; v < nv; ++v) a[k][v] += q[v] * x;
         }
     }
-    for (int r = 0; r < ROW_BLOCK; ++r) {
-        storev(s + r * key_tile + c, a[r][0] * scale);
-        storev(s + r * key_tile + c + VL, a[r][1] * scale);
-    }
+    for (int k = 0; k < nk; ++k)
+        for (int v = 0; v < nv; ++v) storev(s_t + k * stride + v * VL, a[k][v]);
 }
 
-/* acc[r][d0..d0 + vectors * VL) += sum_t P[r][t] V[t][d0..) for ROW_BLOCK rows, over keys [0, keys) of a
- * tile whose V rows lie in segments of block_size rows (segment j at values[j]); vectors is 1 or 2. */
-static inline __attribute__((always_inline)) void values_block(const float* p, int64_t key_tile,
+/* acc_t[d0..d0+KEY_BLOCK][rows of nv vectors] += sum_t V[t][d] P_t[t][..] over the tile's keys, whose V rows
+ * lie in segments of block_size rows (segment j at values[j]). */
+static inline __attribute__((always_inline)) void values_block(const float* p_t, int64_t stride,
                                                                const float* const* values, int64_t block_size,
-                                                               int64_t keys, int64_t head_dim, int64_t d0,
-                                                               int vectors, float* acc) {
-    vf a[ROW_BLOCK][2];
-    for (int r = 0; r < ROW_BLOCK; ++r)
-        for (int i = 0; i < vectors; ++i) a[r][i] = loadv(acc + r * head_dim + d0 + i * VL);
+                                                               int64_t keys, int64_t head_dim, int64_t d0, int nv,
+                                                               float* acc_t) {
+    vf a[KEY_BLOCK][ROW_VECTORS];
+    for (int i = 0; i < KEY_BLOCK; ++i)
+        for (int v = 0; v < nv; ++v) a[i][v] = loadv(acc_t + (d0 + i) * stride + v * VL);
     for (int64_t j = 0, t0 = 0; t0 < keys; ++j, t0 += block_size) {
         const int64_t n = keys - t0 < block_size ? keys - t0 : block_size;
         for (int64_t t = 0; t < n; ++t) {
-            const float* v = values[j] + t * head_dim + d0;
-            vf row[2];
-            for (int i = 0; i < vectors; ++i) row[i] = loadv(v + i * VL);
-            for (int r = 0; r < ROW_BLOCK; ++r) {
-                const float w = p[r * key_tile + t0 + t];
-                for (int i = 0; i < vectors; ++i) a[r][i] += row[i] * w;
+            const float* row = values[j] + t * head_dim + d0;
+            vf p[ROW_VECTORS];
+            for (int v = 0; v < nv; ++v) p[v] = loadv(p_t + (t0 + t) * stride + v * VL);
+            for (int i = 0; i < KEY_BLOCK; ++i) {
+                const float x = row[i];
+                for (int v = 0; v < nv; ++v) a[i][v] += p[v] * x;
             }
         }
     }
-    for (int r = 0; r < ROW_BLOCK; ++r)
-        for (int i = 0; i < vectors; ++i) storev(acc + r * head_dim + d0 + i * VL, a[r][i]);
+    for (int i = 0; i < KEY_BLOCK; ++i)
+        for (int v = 0; v < nv; ++v) storev(acc_t + (d0 + i) * stride + v * VL, a[i][v]);
 }
+
+/* The blocks above with a constant vector count nv (1..ROW_VECTORS), so that their accumulators stay in
+ * registers. */
+#if ROW_VECTORS == 4
+#define BY_VECTORS(nv, call) \
+    do {                      \
+        switch (nv) {         \
+        case 1: call(1); break; \
+        case 2: call(2); break; \
+        case 3: call(3); break; \
+        default: call(4); break; \
+        }                     \
+    } while (0)
+#else
+#define BY_VECTORS(nv, call) \
+    do {                      \
+        if ((nv) == 1)        \
+            call(1);          \
+        else                  \
+            call(2);          \
+    } while (0)
+#endif
 
 /* One item: query tokens [first, first + tokens) of a sequence (rows first.. of q/out, positions
  * first_pos..), one KV head's group. The float32 cache passes k_head/v_head and NULL byte heads; an 8-bit
@@ -161,85 +167,88 @@ static inline __attribute__((always_inline)) void values_block(const float* p, i
 static inline __attribute__((always_inline)) void prefill_item(
     const float* q, float* out, int64_t heads, int64_t group, int64_t head_dim, int64_t head,
     const float* k_head, const float* v_head, fp8_head k_bytes, fp8_head v_bytes, const int64_t* blocks, int64_t block_size,
-    int64_t first, int64_t tokens, int64_t first_pos, int64_t tile_keys, int64_t key_tile, float scale,
-    scratch_t* w) {
-    const int64_t rows = tokens * group, padded = round_up(rows, ROW_BLOCK);
+    int64_t first, int64_t tokens, int64_t first_pos, int64_t tile_keys, float scale, scratch_t* w) {
+    const int64_t rows = tokens * group, stride = round_up(rows, VL), vectors = stride / VL;
     const int64_t block_numel = block_size * head_dim, last_pos = first_pos + tokens - 1;
-    for (int64_t r = 0; r < padded; ++r) {
-        const int64_t row = r < rows ? r : rows - 1; /* padding rows repeat the last one; their results are dropped */
-        w->q_rows[r] = q + ((first + row / group) * heads + head * group + row % group) * head_dim;
+    for (int64_t r = 0; r < stride; ++r) {
+        /* padding rows are zero queries at the last row's position; their results are dropped */
+        const float* q_row = r < rows ? q + ((first + r / group) * heads + head * group + r % group) * head_dim : NULL;
+        for (int64_t d = 0; d < head_dim; ++d) w->q_t[d * stride + r] = q_row ? q_row[d] * scale : 0.0f;
+        for (int64_t d = 0; d < head_dim; ++d) w->acc_t[d * stride + r] = 0.0f;
+        w->positions[r] = (int32_t)(first_pos + (r < rows ? r : rows - 1) / group);
         w->max[r] = -INFINITY;
         w->sum[r] = 0.0f;
-        for (int64_t d = 0; d < head_dim; ++d) w->acc[r * head_dim + d] = 0.0f;
     }
     const float* segments[KEYS_PER_TILE];
     for (int64_t start = 0; start <= last_pos; start += tile_keys) {
-        /* Keys past the tile's last query position are seen by no row: they are neither staged nor scored. */
+        /* Keys past the tile's last query position are seen by no row: they are neither read nor scored. */
         const int64_t keys = last_pos + 1 - start < tile_keys ? last_pos + 1 - start : tile_keys;
-        const int64_t width = round_up(keys, COLUMN_BLOCK);
         for (int64_t j = 0, t0 = 0; t0 < keys; ++j, t0 += block_size) {
             const int64_t n = keys - t0 < block_size ? keys - t0 : block_size;
             const int64_t block = blocks[(start + t0) / block_size];
-            const float* k_rows = k_bytes.head ? dequantize_block(k_bytes.head + block * block_numel, n * head_dim, k_bytes, w->block)
-                                          : k_head + block * block_numel;
-            for (int64_t t = 0; t < n; ++t)
-                for (int64_t d = 0; d < head_dim; ++d) w->keys_t[d * key_tile + t0 + t] = k_rows[t * head_dim + d];
+            const float* k_rows = k_bytes.head ? dequantize_block(k_bytes.head + block * block_numel, n * head_dim,
+                                                                  k_bytes, w->block)
+                                               : k_head + block * block_numel;
+            for (int64_t v0 = 0; v0 < vectors; v0 += ROW_VECTORS) {
+                const int nv = vectors - v0 < ROW_VECTORS ? (int)(vectors - v0) : ROW_VECTORS;
+                int64_t t = 0;
+#define SCORES(count, keys_now) \
+    scores_block(w->q_t + v0 * VL, stride, head_dim, k_rows + t * head_dim, keys_now, count, \
+                 w->s_t + (t0 + t) * stride + v0 * VL)
+#define SCORES4(count) SCORES(count, KEY_BLOCK)
+#define SCORES1(count) SCORES(count, 1)
+                for (; t + KEY_BLOCK <= n; t += KEY_BLOCK) BY_VECTORS(nv, SCORES4);
+                for (; t < n; ++t) BY_VECTORS(nv, SCORES1);
+#undef SCORES1
+#undef SCORES4
+#undef SCORES
+            }
             segments[j] = v_bytes.head ? dequantize_block(v_bytes.head + block * block_numel, n * head_dim, v_bytes,
-                                                     w->values + t0 * head_dim)
-                                  : v_head + block * block_numel;
+                                                          w->values + t0 * head_dim)
+                                       : v_head + block * block_numel;
         }
-        for (int64_t t = keys; t < width; ++t)
-            for (int64_t d = 0; d < head_dim; ++d) w->keys_t[d * key_tile + t] = 0.0f;
-        for (int64_t r0 = 0; r0 < padded; r0 += ROW_BLOCK)
-            for (int64_t c = 0; c < width; c += COLUMN_BLOCK)
-                scores_block(w->q_rows + r0, head_dim, w->keys_t, key_tile, c, scale, w->scores + r0 * key_tile);
-        /* Online softmax: row r sees this tile's first `seen` keys (a prefix, as the mask is causal). */
-        const vfi lane = lane_indices();
-        const vf zero = splat(0.0f);
-        for (int64_t r = 0; r < padded; ++r) {
-            float* s = w->scores + r * key_tile;
-            const int64_t limit = first_pos + (r < rows ? r : rows - 1) / group - start + 1;
-            const int64_t seen = r >= rows || limit <= 0 ? 0 : limit < keys ? limit : keys;
-            vf vmax = splat(-INFINITY);
-            for (int64_t t = 0; t < seen; t += VL)
-                vmax = selectv(lane + (int32_t)t < (int32_t)seen, max_lanes(vmax, loadv(s + t)), vmax);
-            const float tile_max = maxv(vmax);
-            const float new_max = tile_max > w->max[r] ? tile_max : w->max[r];
-            vf vsum = zero;
-            int64_t t = 0;
-            for (; t < seen; t += VL) {
-                const vf weights = selectv(lane + (int32_t)t < (int32_t)seen, expv(loadv(s + t) - new_max), zero);
-                storev(s + t, weights);
-                vsum += weights;
+        /* Online softmax, a vector of rows at a time: row r sees key t when t's position is at most r's. */
+        for (int64_t v = 0; v < vectors; ++v) {
+            vfi row_pos;
+            __builtin_memcpy(&row_pos, w->positions + v * VL, sizeof row_pos);
+            const vf old_max = loadv(w->max + v * VL);
+            vf tile_max = splat(-INFINITY);
+            for (int64_t t = 0; t < keys; ++t) {
+                const vfi seen = row_pos >= (int32_t)(start + t);
+                tile_max = selectv(seen, max_lanes(tile_max, loadv(w->s_t + t * stride + v * VL)), tile_max);
             }
-            for (; t < keys; t += VL) storev(s + t, zero);
-            const float sum = sumv(vsum);
-            if (seen == 0 || new_max == w->max[r]) {
-                w->sum[r] += sum;
-                continue;
+            const vf new_max = max_lanes(old_max, tile_max);
+            vf sum = splat(0.0f);
+            for (int64_t t = 0; t < keys; ++t) {
+                float* s = w->s_t + t * stride + v * VL;
+                const vfi seen = row_pos >= (int32_t)(start + t);
+                const vf p = selectv(seen, expv(loadv(s) - new_max), splat(0.0f));
+                storev(s, p);
+                sum += p;
             }
-            const float correction = w->max[r] == -INFINITY ? 0.0f : exp_nonpositive(w->max[r] - new_max);
-            w->max[r] = new_max;
-            w->sum[r] = w->sum[r] * correction + sum;
-            float* a = w->acc + r * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
+            /* rows that saw nothing before have nothing to rescale (and -inf - -inf is no number) */
+            const vf correction = selectv(old_max == -INFINITY, splat(0.0f), expv(old_max - new_max));
+            storev(w->sum + v * VL, loadv(w->sum + v * VL) * correction + sum);
+            storev(w->max + v * VL, new_max);
+            for (int64_t d = 0; d < head_dim; ++d) {
+                float* a = w->acc_t + d * stride + v * VL;
+                storev(a, loadv(a) * correction);
+            }
         }
-        for (int64_t r0 = 0; r0 < padded; r0 += ROW_BLOCK)
-        {
-            int64_t d0 = 0;
-            for (; d0 + COLUMN_BLOCK <= head_dim; d0 += COLUMN_BLOCK)
-                values_block(w->scores + r0 * key_tile, key_tile, segments, block_size, keys, head_dim, d0, 2,
-                             w->acc + r0 * head_dim);
-            for (; d0 < head_dim; d0 += VL) /* head_dim is a multiple of 16: at most one 16-lane vector is left */
-                values_block(w->scores + r0 * key_tile, key_tile, segments, block_size, keys, head_dim, d0, 1,
-                             w->acc + r0 * head_dim);
+        for (int64_t v0 = 0; v0 < vectors; v0 += ROW_VECTORS) {
+            const int nv = vectors - v0 < ROW_VECTORS ? (int)(vectors - v0) : ROW_VECTORS;
+            for (int64_t d0 = 0; d0 < head_dim; d0 += KEY_BLOCK) {
+#define VALUES(count) \
+    values_block(w->s_t + v0 * VL, stride, segments, block_size, keys, head_dim, d0, count, w->acc_t + v0 * VL)
+                BY_VECTORS(nv, VALUES);
+#undef VALUES
+            }
         }
     }
     for (int64_t r = 0; r < rows; ++r) {
-        const int64_t offset = (first + r / group) * heads + head * group + r % group;
+        float* out_row = out + ((first + r / group) * heads + head * group + r % group) * head_dim;
         const float inverse = 1.0f / w->sum[r];
-        for (int64_t d = 0; d < head_dim; ++d) out[offset * head_dim + d] = w->acc[r * head_dim + d] * inverse;
+        for (int64_t d = 0; d < head_dim; ++d) out_row[d] = w->acc_t[d * stride + r] * inverse;
     }
 }
 
@@ -254,10 +263,9 @@ static int paged_prefill(const float* q, const float* k_cache, const float* v_ca
                          int64_t num_blocks, int64_t block_size, float scale, int threads, float* out) {
     const int64_t heads = kv_heads * group, head_numel = num_blocks * block_size * head_dim;
     const int64_t tile_tokens = ROWS_PER_TILE / group > 0 ? ROWS_PER_TILE / group : 1;
-    /* A key tile is a whole number of blocks (tile_keys keys), stored key_tile floats apart. */
+    /* A key tile is a whole number of blocks (tile_keys keys). */
     const int64_t tile_keys = block_size < KEYS_PER_TILE ? KEYS_PER_TILE / block_size * block_size : block_size;
-    const int64_t key_tile = round_up(tile_keys, COLUMN_BLOCK);
-    const int64_t padded_rows = round_up(tile_tokens * group, ROW_BLOCK);
+    const int64_t padded_rows = round_up(tile_tokens * group, VL);
     int64_t tiles = 0;
     for (int64_t s = 0; s < num_seqs; ++s) tiles += (query_lens[s] + tile_tokens - 1) / tile_tokens;
     int64_t* tile_first = malloc(sizeof(int64_t) * (size_t)(2 * (tiles > 0 ? tiles : 1)));
@@ -269,24 +277,24 @@ static int paged_prefill(const float* q, const float* k_cache, const float* v_ca
             tile_seq[t] = s;
         }
     int failed = 0;
-    const size_t floats = (size_t)(2 * key_tile * head_dim + block_size * head_dim + padded_rows * key_tile
-                                   + padded_rows * head_dim + 2 * padded_rows);
+    const size_t floats = (size_t)(2 * head_dim * padded_rows + tile_keys * padded_rows + 2 * padded_rows
+                                   + block_size * head_dim + tile_keys * head_dim);
 #pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
     {
         float* memory = malloc(sizeof(float) * floats);
-        const float** q_rows = malloc(sizeof(float*) * (size_t)padded_rows);
+        int32_t* positions = malloc(sizeof(int32_t) * (size_t)padded_rows);
         scratch_t w = {0};
-        if (memory && q_rows) {
-            w.keys_t = memory;
-            w.values = w.keys_t + key_tile * head_dim;
-            w.block = w.values + key_tile * head_dim;
-            w.scores = w.block + block_size * head_dim;
-            w.acc = w.scores + padded_rows * key_tile;
-            w.max = w.acc + padded_rows * head_dim;
+        if (memory && positions) {
+            w.q_t = memory;
+            w.acc_t = w.q_t + head_dim * padded_rows;
+            w.s_t = w.acc_t + head_dim * padded_rows;
+            w.max = w.s_t + tile_keys * padded_rows;
             w.sum = w.max + padded_rows;
-            w.q_rows = q_rows;
+            w.block = w.sum + padded_rows;
+            w.values = w.block + block_size * head_dim;
+            w.positions = positions;
         }
-        failed = !(memory && q_rows);
+        failed = !(memory && positions);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < tiles * kv_heads; ++i) {
             if (failed) continue;
@@ -302,16 +310,16 @@ static int paged_prefill(const float* q, const float* k_cache, const float* v_ca
             const int64_t row = starts[seq] + first;
             if (head_dim == 64)
                 prefill_item(q, out, heads, group, 64, head, k_head, v_head, k_bytes, v_bytes, blocks, block_size,
-                             row, tokens, first_pos, tile_keys, key_tile, scale, &w);
+                             row, tokens, first_pos, tile_keys, scale, &w);
             else if (head_dim == 128)
                 prefill_item(q, out, heads, group, 128, head, k_head, v_head, k_bytes, v_bytes, blocks,
-                             block_size, row, tokens, first_pos, tile_keys, key_tile, scale, &w);
+                             block_size, row, tokens, first_pos, tile_keys, scale, &w);
             else
                 prefill_item(q, out, heads, group, head_dim, head, k_head, v_head, k_bytes, v_bytes, blocks,
-                             block_size, row, tokens, first_pos, tile_keys, key_tile, scale, &w);
+                             block_size, row, tokens, first_pos, tile_keys, scale, &w);
         }
         free(memory);
-        free(q_rows);
+        free(positions);
     }
     free(tile_first);
     return failed;
