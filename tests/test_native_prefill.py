@@ -4,6 +4,7 @@ and 8-bit caches; and how the plan splits chunks between it and SDPA."""
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,7 +43,7 @@ def always_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every chunk goes to the compiled routine, whatever the crossover rule says."""
     if load_native_prefill() is None:
         pytest.skip("no C compiler: the compiled prefill routine is not built")
-    monkeypatch.setattr(cpu_attention_plan, "native_prefill_wins", lambda query_len, seq_len: True)
+    monkeypatch.setattr(cpu_attention_plan, "native_prefill_wins", lambda query_len, seq_len, wide=False: True)
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
@@ -152,6 +153,24 @@ def test_without_a_compiler_it_says_why(fresh_load: None, monkeypatch: pytest.Mo
     with caplog.at_level(logging.WARNING):
         assert load_native_prefill() is None
     assert "plain-torch path" in caplog.text
+
+
+def test_a_wide_build_takes_every_chunk() -> None:
+    """Built with 16-lane vectors the routine beat SDPA on every chunk measured, so the plan sends it all."""
+    case = Case((1, 32, 1024, 5), (100, 500, 1024, 5), 8, 2, 64, 16)
+    plan = torch_backend().plan(metadata_of(make_batch(case))).plan
+    layout = plan.layout(16, torch.float32, True, True, wide_prefill=True)
+    assert not layout.prefills and layout.native_prefills is not None
+    assert layout.native_prefills.query_lens.tolist() == [32, 1024, 5]
+    assert native_prefill_wins(2048, 4096, wide=True) and not native_prefill_wins(2048, 4096)
+
+
+def test_the_build_says_how_wide_it_computes() -> None:
+    native = load_native_prefill()
+    if native is None:
+        pytest.skip("no C compiler: the compiled prefill routine is not built")
+    cpu_flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    assert native.wide == bool(re.search(r"\bavx512f\b", cpu_flags))
 
 
 def test_the_rule_is_monotone_in_query_length() -> None:

@@ -78,9 +78,9 @@ def prefill_rows(sizes: Sequence[str], query_lens: Sequence[int], contexts: Sequ
 
                 times = interleaved({"sdpa": sdpa, "compiled": compiled}, reps)
                 expected = unified_attention_ref(*replace(batch, k_cache=k_cache, v_cache=v_cache).args())
+                wins = native_prefill_wins(query_len, context + query_len, native.wide)
                 rows.append(PrefillRow(f"{size} heads {num_heads}/{num_kv_heads}", query_len, context, times["sdpa"],
-                                       times["compiled"],
-                                       "compiled" if native_prefill_wins(query_len, context + query_len) else "sdpa",
+                                       times["compiled"], "compiled" if wins else "sdpa",
                                        relative_error(compiled(), expected)))
     return rows
 

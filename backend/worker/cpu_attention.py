@@ -180,7 +180,8 @@ class CpuPagedAttention:
         fits = _native_fits(q, k_cache, v_cache)
         native = self._native if fits else None
         native_prefill = self._native_prefill if fits and head_dim % 16 == 0 else None
-        layout = plan.layout(block_size, q.dtype, native is not None, native_prefill is not None)
+        layout = plan.layout(block_size, q.dtype, native is not None, native_prefill is not None,
+                             native_prefill is not None and native_prefill.wide)
         group = num_heads // num_kv_heads
 
         if layout.decodes_in_order:

@@ -142,12 +142,15 @@ class CpuAttentionPlan:
     seq_lens: np.ndarray  # int64 [num_seqs]
     block_table: np.ndarray  # int64 [num_seqs, width]
     device: torch.device
-    layouts: dict[tuple[int, torch.dtype, bool, bool], StepLayout] = field(default_factory=dict)
+    layouts: dict[tuple[int, torch.dtype, bool, bool, bool], StepLayout] = field(default_factory=dict)
 
-    def layout(self, block_size: int, dtype: torch.dtype, native: bool, native_prefill: bool = False) -> StepLayout:
-        key = (block_size, dtype, native, native_prefill)
+    def layout(self, block_size: int, dtype: torch.dtype, native: bool, native_prefill: bool = False,
+               wide_prefill: bool = False) -> StepLayout:
+        """``wide_prefill``: the compiled prefill routine was built with 16-lane vectors (see
+        :func:`native_prefill_wins`)."""
+        key = (block_size, dtype, native, native_prefill, wide_prefill)
         if key not in self.layouts:
-            self.layouts[key] = _layout(self, block_size, dtype, native, native_prefill)
+            self.layouts[key] = _layout(self, block_size, dtype, native, native_prefill, wide_prefill)
         return self.layouts[key]
 
 
@@ -163,7 +166,7 @@ def plan_cpu_attention(metadata: AttentionMetadata) -> AttentionMetadata:
 
 
 def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native: bool,
-            native_prefill: bool) -> StepLayout:
+            native_prefill: bool, wide_prefill: bool) -> StepLayout:
     """Index math in numpy, one host-to-torch conversion per tensor: this runs once per step."""
     query_lens = np.diff(plan.starts)
     num_blocks = -(-plan.seq_lens // block_size)
@@ -202,7 +205,8 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native:
         rows += len(seqs) * width
 
     chunks = np.flatnonzero(query_lens > 1)
-    in_place = np.array([native_prefill_wins(int(query_lens[seq]), int(plan.seq_lens[seq])) for seq in chunks]
+    in_place = np.array([native_prefill_wins(int(query_lens[seq]), int(plan.seq_lens[seq]), wide_prefill)
+                         for seq in chunks]
                         if native_prefill else [False] * len(chunks), dtype=bool)
     in_place_chunks = native_prefills(plan, chunks[in_place], block_size) if in_place.any() else None
     prefills = []
@@ -237,10 +241,17 @@ def _native_decodes(plan: CpuAttentionPlan, seqs: np.ndarray, block_size: int) -
                          (rows.ctypes.data, table.ctypes.data, lens.ctypes.data))
 
 
-def native_prefill_wins(query_len: int, seq_len: int) -> bool:
-    """Whether the compiled routine beats gather + SDPA for a chunk of ``query_len`` tokens ending at ``seq_len``.
+def native_prefill_wins(query_len: int, seq_len: int, wide: bool = False) -> bool:
+    """Whether the compiled routine beats gather + SDPA for a chunk of ``query_len`` tokens ending at ``seq_len``;
+    ``wide``: the routine was built with 16-lane vectors (AVX-512).
 
-    Both do work in proportion to the (query, key) pairs the chunk attends to,
+    Wide, it wins on every chunk measured on an AVX-512 Xeon (``pagedllm bench kernels``'s
+    function over more shapes, 1 thread, block 16, tiny 4/2 and small 8/2 heads): 1.3-1.9x for
+    256-2048 query tokens over 0-1024 cached ones and 64 over 1024, 1.1-1.4x over 2048 cached
+    ones, short chunks by more (RESULTS.md, "Rows as columns in the paged prefill"). So a wide
+    build takes every chunk. The 8-lane build (AVX2 only) draws a line, measured on an AMD EPYC
+    with the routine's earlier layout (the 8-lane build of today's ran level with it on the Xeon
+    with AVX-512 turned off). Both do work in proportion to the (query, key) pairs the chunk attends to,
     ``query_len * (seq_len - query_len / 2)``; the compiled routine saves the gather, the
     mask and SDPA's fixed cost, which dominate small chunks, and SDPA's BLAS-backed
     blocks run the products faster, which wins for big ones. Measured with ``pagedllm
@@ -264,7 +275,7 @@ def native_prefill_wins(query_len: int, seq_len: int) -> bool:
     nothing, q 192-256 over 256 cached tokens, q 96-128 over 1024, q 64 over 2048) and
     0.6-0.9x above: the rule draws the line at 96k pairs.
     """
-    return query_len * (seq_len - query_len / 2) <= NATIVE_PREFILL_MAX_PAIRS
+    return wide or query_len * (seq_len - query_len / 2) <= NATIVE_PREFILL_MAX_PAIRS
 
 
 def native_prefills(plan: CpuAttentionPlan, seqs: np.ndarray, block_size: int) -> NativePrefills:

@@ -346,3 +346,6 @@ int pagedllm_paged_prefill_fp8(const float* q, const uint8_t* k_cache, const uin
                          block_table, table_width, num_seqs, kv_heads, group, head_dim, num_blocks, block_size, scale,
                          threads, out);
 }
+
+/* The vector width this build computes in (16 with AVX-512, else 8): the plan's crossover rule depends on it. */
+int pagedllm_paged_prefill_lanes(void) { return VL; }
