@@ -66,6 +66,12 @@ def test_return_flags() -> None:
     assert parse_request(inputs).returns == ReturnFlags(finish_reason=True, num_output_tokens=True)
 
 
+def test_sparse_additional_outputs_is_off_unless_asked() -> None:
+    assert not parse_request({"text_input": text("Hi")}).returns.sparse
+    asked = parse_request({"text_input": text("Hi"), "sparse_additional_outputs": flag(True)})
+    assert asked.returns.sparse and not asked.returns.finish_reason
+
+
 def test_cumulative_logprob_alone_asks_the_engine_for_the_sampled_tokens_logprobs_only() -> None:
     inputs = {"text_input": text("Hi"), "return_cumulative_logprob": flag(True)}
     request = parse_request(inputs)

@@ -108,3 +108,28 @@ def test_merged_stream_chunks_add_up_to_one_response() -> None:
     assert merged["cumulative_logprob"].tolist() == [-3.0, -2.0]
     assert [[int(t) for entry in json.loads(s) for t in entry] for s in merged["logprobs"]] == [[1, 3, 4], [2]]
     assert merge_tensors([first])["text_output"].tolist() == first["text_output"].tolist()
+
+
+def test_sparse_outputs_send_the_prompt_length_once_and_finish_reasons_once_set() -> None:
+    sparse = ReturnFlags(True, False, False, True, True, sparse=True)
+    assembler = ResponseAssembler(request(stream=True, n=2, returns=sparse), decode_token=str)
+    first = assembler.add(step([delta(0, " a", (10,), -1.0), delta(1, " b", (11,), -2.0)]))
+    second = assembler.add(step([delta(1, "c", (12,), -3.0, "stop")]))
+    last = assembler.add(step([delta(0, "d", (14,), -1.5, "length")], finished=True))
+    assert set(first) == {"text_output", "num_input_tokens", "num_output_tokens"}
+    assert first["num_input_tokens"].tolist() == [3]
+    assert set(second) == set(last) == {"text_output", "finish_reason", "num_output_tokens"}
+    assert strings(second["finish_reason"]) == ["None", "stop"] and strings(last["finish_reason"]) == ["length", "stop"]
+    # A backlog merged into one response keeps the first chunk's prompt length.
+    merged = merge_tensors([first, second, last])
+    assert merged["num_input_tokens"].tolist() == [3] and strings(merged["finish_reason"]) == ["length", "stop"]
+    assert strings(merged["text_output"]) == [" ad", " bc"] and merged["num_output_tokens"].tolist() == [2, 2]
+
+
+def test_a_non_streaming_response_carries_everything_with_sparse_outputs() -> None:
+    sparse = ReturnFlags(True, False, False, True, True, sparse=True)
+    assembler = ResponseAssembler(request(stream=False, returns=sparse), decode_token=str)
+    assert assembler.add(step([delta(0, " a", (10,), -1.0)])) is None
+    tensors = assembler.add(step([delta(0, "b", (11,), -2.0, "stop")], finished=True))
+    assert tensors is not None and tensors["num_input_tokens"].tolist() == [3]
+    assert strings(tensors["finish_reason"]) == ["stop"]

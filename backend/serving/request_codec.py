@@ -51,7 +51,9 @@ RETURN_FLAGS = (
     "return_num_input_tokens",
     "return_num_output_tokens",
 )
-BOOL_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
+# pagedllm's own optional input (vllm_backend has none such): see ReturnFlags.sparse.
+SPARSE_OUTPUTS = "sparse_additional_outputs"
+BOOL_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS, SPARSE_OUTPUTS)
 
 # The model configuration Triton should see; config.pbtxt spells the same thing out.
 INPUT_SPECS: tuple[dict[str, Any], ...] = (
@@ -84,6 +86,12 @@ class ReturnFlags:
     logprobs: bool = False
     num_input_tokens: bool = False
     num_output_tokens: bool = False
+    # With the ``sparse_additional_outputs`` input: a stream's num_input_tokens comes with its first
+    # response only and finish_reason only with responses in which a sample has finished, instead of
+    # both with every response (vllm_backend's contract, the default). Each output tensor is a
+    # shared-memory message between the stub and tritonserver and a field of every gRPC response; the
+    # OpenAI front door asks for this and so sends two tensors per streamed token instead of four.
+    sparse: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +131,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], parameters_json: str | None 
         field, values = "parameters", _json_object(parameters_json or "{}", "parameters")
     lora_name = _lora_name(inputs, values.pop("lora_name", None), field)
     params = _sampling_params(values, field)
-    returns = ReturnFlags(*(flags.get(name, False) for name in RETURN_FLAGS))
+    returns = ReturnFlags(*(flags.get(name, False) for name in RETURN_FLAGS), sparse=flags.get(SPARSE_OUTPUTS, False))
     requested = params.logprobs is not None
     if returns.cumulative_logprob and not requested and not params.use_beam_search:
         params = replace(params, logprobs=0)  # the sampled tokens' logprobs, which the sum needs

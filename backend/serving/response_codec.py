@@ -5,7 +5,9 @@ the other per-sample outputs, in sample order. Streaming: one response per engin
 step with only the new text (``""`` for a sample that produced nothing this step).
 Not streaming: one response at the end with each sample's whole text, prompt first
 when asked. ``finish_reason`` is ``"None"`` for a sample still running, as vllm_backend
-writes it. ``logprobs`` is, per sample, a JSON list with one object per new token:
+writes it. With ``sparse_additional_outputs`` (pagedllm's own input,
+:class:`pagedllm.serving.request_codec.ReturnFlags`), ``num_input_tokens`` comes with a
+request's first response only and ``finish_reason`` only once a sample has finished. ``logprobs`` is, per sample, a JSON list with one object per new token:
 ``{token_id: {"logprob", "rank", "decoded_token"}}`` with the sampled token's entry first
 (so a client can tell it from the alternatives), or ``"null"`` when the request asked
 for no logprobs. A sampled token outside the requested top-k gets rank k + 1
@@ -51,6 +53,7 @@ class ResponseAssembler:
         self._decode_token = decode_token
         self._samples = [_Sample() for _ in range(request.params.n)]
         self._num_input_tokens = 0
+        self._input_tokens_sent = False  # sparse outputs: only the first response carries the count
         self._prompt_logprobs: bytes | None = None  # encoded, until a response carries it
 
     def add(self, output: RequestOutput) -> Tensors | None:
@@ -106,7 +109,7 @@ class ResponseAssembler:
             "text_output": np.array([(prefix + s.text).encode("utf-8") for s in samples], dtype=np.object_),
         }
         returns = self.request.returns
-        if returns.finish_reason:
+        if returns.finish_reason and (not returns.sparse or any(s.finish_reason is not None for s in samples)):
             tensors["finish_reason"] = np.array([str(s.finish_reason).encode() for s in samples], dtype=np.object_)
         if returns.cumulative_logprob:
             tensors["cumulative_logprob"] = np.array([s.cumulative_logprob for s in samples], dtype=np.float32)
@@ -114,8 +117,9 @@ class ResponseAssembler:
             wanted = self.request.logprobs_requested and self.request.params.logprobs is not None
             tensors["logprobs"] = np.array(
                 [(json.dumps(s.logprobs) if wanted else "null").encode() for s in samples], dtype=np.object_)
-        if returns.num_input_tokens:
+        if returns.num_input_tokens and not (returns.sparse and self._input_tokens_sent):
             tensors["num_input_tokens"] = np.array([self._num_input_tokens], dtype=np.uint32)
+            self._input_tokens_sent = True
         if returns.num_output_tokens:
             tensors["num_output_tokens"] = np.array([s.num_tokens for s in samples], dtype=np.uint32)
         if self._prompt_logprobs is not None:
@@ -128,14 +132,17 @@ def merge_tensors(chunks: Sequence[Tensors]) -> Tensors:
     """Combine consecutive streaming responses of one request into the one response they add up to.
 
     Texts and logprob lists are concatenated and token counts summed per sample; the
-    rest (finish reasons, cumulative logprobs, prompt length) is taken from the last.
+    rest (finish reasons, cumulative logprobs) is taken from the last, and what only one
+    chunk may carry (prompt logprobs; the prompt length, with sparse outputs) from the first
+    that does.
     """
     merged = dict(chunks[-1])
     if len(chunks) == 1:
         return merged
-    carried = [c["prompt_logprobs"] for c in chunks if "prompt_logprobs" in c]
-    if carried:
-        merged["prompt_logprobs"] = carried[0]
+    for name in ("prompt_logprobs", "num_input_tokens"):
+        carried = [c[name] for c in chunks if name in c]
+        if carried:
+            merged[name] = carried[0]
     merged["text_output"] = np.array([b"".join(parts) for parts in zip(*(c["text_output"] for c in chunks))],
                                      dtype=np.object_)
     if "num_output_tokens" in merged:

@@ -55,7 +55,8 @@ class ResponseBuilder:
         self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.id
 
     def add(self, response: GenerateResponse) -> None:
-        self.prompt_tokens = response.num_prompt_tokens
+        if response.num_prompt_tokens is not None:
+            self.prompt_tokens = response.num_prompt_tokens
         if response.prompt_logprobs is not None:
             self._prompt_logprobs = list(response.prompt_logprobs)
         for sample in response.samples:

@@ -23,6 +23,7 @@ from tritonclient.utils import InferenceServerException
 
 from pagedllm.engine import latency_trace
 from pagedllm.serving.openai.errors import OpenAIError, engine_rejection
+from pagedllm.serving.request_codec import SPARSE_OUTPUTS
 
 _INVALID_REQUEST = "invalid request:"  # how backend/model.py begins its INVALID_ARG messages
 
@@ -50,7 +51,7 @@ class SampleDelta:
 
 @dataclass(frozen=True, slots=True)
 class GenerateResponse:
-    num_prompt_tokens: int
+    num_prompt_tokens: int | None  # in a request's first response only
     samples: tuple[SampleDelta, ...]
     # With sampling["prompt_logprobs"]: every prompt token's, in the one response that carries them.
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
@@ -111,6 +112,9 @@ def _inputs(prompt: str, sampling: Mapping[str, Any], stream: bool) -> list[grpc
         ("exclude_input_in_output", np.array([True]), "BOOL"),
         *((name, np.array([True]), "BOOL") for name in (
             "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")),
+        # The prompt length with the first response only, finish reasons once a sample ends: two output
+        # tensors per streamed token instead of four (pagedllm.serving.request_codec.ReturnFlags.sparse).
+        (SPARSE_OUTPUTS, np.array([True]), "BOOL"),
         # Only when asked: the backend would otherwise encode a JSON "null" per sample per step.
         ("return_logprobs", np.array([sampling.get("logprobs") is not None]), "BOOL"),
     ]
@@ -125,18 +129,18 @@ def _inputs(prompt: str, sampling: Mapping[str, Any], stream: bool) -> list[grpc
 def _decode(result: grpcclient.InferResult, top_logprobs: int | None,
             prompt_top_logprobs: int | None = None) -> GenerateResponse:
     texts = result.as_numpy("text_output")
-    reasons = result.as_numpy("finish_reason")
+    reasons = result.as_numpy("finish_reason")  # None: no sample has finished (sparse outputs)
     counts = result.as_numpy("num_output_tokens")
     logprobs: list[tuple[TokenLogprob, ...] | None] = [None] * len(texts)
     if top_logprobs is not None:
         logprobs = [_token_logprobs(encoded, top_logprobs) for encoded in result.as_numpy("logprobs")]
-    prompt_tokens = result.as_numpy("num_input_tokens")
+    prompt_tokens = result.as_numpy("num_input_tokens")  # None after the first response (sparse outputs)
     samples = tuple(
         SampleDelta(
             index=index,
             text=texts[index].decode("utf-8"),
             num_tokens=int(counts[index]),
-            finish_reason=None if reasons[index] == b"None" else reasons[index].decode(),
+            finish_reason=None if reasons is None or reasons[index] == b"None" else reasons[index].decode(),
             logprobs=logprobs[index],
         )
         for index in range(len(texts))
@@ -144,7 +148,7 @@ def _decode(result: grpcclient.InferResult, top_logprobs: int | None,
     prompt_logprobs = None
     if prompt_top_logprobs is not None and (encoded := result.as_numpy("prompt_logprobs")) is not None:
         prompt_logprobs = _token_logprobs(encoded[0], prompt_top_logprobs)
-    return GenerateResponse(int(prompt_tokens[0]), samples, prompt_logprobs)
+    return GenerateResponse(None if prompt_tokens is None else int(prompt_tokens[0]), samples, prompt_logprobs)
 
 
 def _token_logprobs(encoded: bytes, top_k: int) -> tuple[TokenLogprob, ...]:
