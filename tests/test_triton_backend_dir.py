@@ -22,7 +22,7 @@ def tensors(config: str) -> set[tuple[str, str, str]]:
 def test_generated_config_declares_the_bundled_tensors() -> None:
     bundled = (REPO_ROOT / "model_repository" / "llm" / "config.pbtxt").read_text()
     assert tensors(config_pbtxt()) == tensors(bundled)
-    assert len(tensors(bundled)) == 17  # vllm_backend's 15, prompt_logprobs and lora_name
+    assert len(tensors(bundled)) == 18  # vllm_backend's 15, prompt_logprobs, lora_name, sparse_additional_outputs
     for config in (bundled, config_pbtxt()):
         assert 'backend: "pagedllm"' in config and "decoupled: true" in config and "max_batch_size: 0" in config
 

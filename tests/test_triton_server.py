@@ -275,10 +275,13 @@ def test_cancelled_streams_free_their_blocks(server: TritonServer) -> None:
     client = StreamClient(server.grpc_url)
     results = [client.send(f"k{i}", make_inputs(prompt_of(i), greedy(max_tokens, ignore_eos=True), stream=True))
                for i in range(16)]
+    # Cancel while half the streams are decoding and the rest still run or wait for blocks (16 full streams
+    # need more than the pool holds). Waiting for all 16 raced the whole run: the later ones start only as
+    # earlier ones finish, and the client sees their tokens after the engine has made them.
     deadline = time.monotonic() + 120
-    while not all(r.texts for r in results) and time.monotonic() < deadline:
+    while sum(bool(r.texts) for r in results) < 8 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert all(r.texts for r in results), "every stream should have produced a token before the cancel"
+    assert sum(bool(r.texts) for r in results) >= 8, "half the streams should have produced a token before the cancel"
     client.close(cancel=True)
     after = wait_for_metrics(server, lambda m: m.get("pagedllm:kv_blocks_used") == 0
                              and m.get("pagedllm:num_requests_running") == 0)
