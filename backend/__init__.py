@@ -5,12 +5,12 @@ import importlib
 from typing import Any
 
 # Resolved on first use, so `import pagedllm.kernels` or the Triton stub's import
-# of `pagedllm.model` do not pay for loading the whole engine.
+# of `pagedllm.serving.triton.model` do not pay for loading the whole engine.
 _EXPORTS = {
-    "LLM": "pagedllm.llm",
+    "LLM": "pagedllm.engine.llm",
     "LoRARequest": "pagedllm.lora.request",
-    "SamplingParams": "pagedllm.sampling_params",
-    "StructuredOutputsParams": "pagedllm.structured_outputs_params",
+    "SamplingParams": "pagedllm.core.sampling_params",
+    "StructuredOutputsParams": "pagedllm.core.structured_outputs_params",
     "RequestOutput": "pagedllm.engine.outputs",
     "FinalOutput": "pagedllm.engine.outputs",
     "CompletionOutput": "pagedllm.engine.outputs",

@@ -6,7 +6,7 @@ import importlib
 import sys
 from pathlib import Path
 
-# bench name -> module under pagedllm.bench exposing add_arguments(parser) and run(args)
+# bench name -> module under pagedllm_bench exposing add_arguments(parser) and run(args)
 BENCHES = ("kernels", "graphs", "gpu", "throughput", "memory", "overhead", "serving", "latency", "sharing", "moe", "kv_accuracy", "tp", "structured", "lora", "all")
 
 
@@ -55,7 +55,7 @@ def build_parser(load_benches: bool) -> argparse.ArgumentParser:
     if load_benches:
         benches = bench.add_subparsers(dest="bench", required=True)
         for name in BENCHES:
-            module = importlib.import_module(f"pagedllm.bench.{name}")
+            module = importlib.import_module(f"pagedllm_bench.{name}")
             sub = benches.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
             module.add_arguments(sub)
             sub.set_defaults(handler=module.run)

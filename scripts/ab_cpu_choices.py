@@ -25,14 +25,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import pagedllm.worker.cpu_attention_plan as cpu_plan
+import pagedllm.attention.cpu_attention_plan as cpu_plan
 from pagedllm import LLM
-from pagedllm.bench.engines import pagedllm_params
-from pagedllm.bench.models import bench_model
+from pagedllm_bench.engines import pagedllm_params
+from pagedllm_bench.models import bench_model
 from pagedllm.simulation.workloads import make_workload
-from pagedllm.worker.attention_backend import torch_backend
-from pagedllm.worker.attention_metadata import AttentionMetadata
-from pagedllm.worker.cpu_attention import new_cpu_cache
+from pagedllm.attention.backends import torch_backend
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.cpu_attention import new_cpu_cache
 
 
 def seconds(fn: Callable[[], object], reps: int) -> float:

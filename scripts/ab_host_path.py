@@ -10,7 +10,7 @@ step is the comparison.
   other's modules out of ``sys.modules``, and its own are put back before each of its steps. The
   garbage collector's settings are the process's, so they are the same for both (the newer sets them).
 - ``--young-thresholds A,B``: one engine, the garbage collector's youngest-generation threshold
-  switched between A and B step by step (the lever in ``pagedllm.engine.gc_tuning``).
+  switched between A and B step by step (the lever in ``pagedllm.platform.gc_tuning``).
 
 Usage: .venv/bin/python scripts/ab_host_path.py --base /tmp/base [--running 64,256] [--steps 320]
 """
@@ -38,8 +38,8 @@ class BusyEngine:
     """An engine with a null forward, kept at ``n`` requests: finished ones are replaced at once."""
 
     def __init__(self, n: int) -> None:
-        import pagedllm.bench.overhead as overhead
-        from pagedllm.sampling_params import SamplingParams
+        import pagedllm_bench.overhead as overhead
+        from pagedllm.core.sampling_params import SamplingParams
 
         self.engine = overhead._engine(n, PROMPT_LEN, 4 * WARMUP_STEPS, BLOCK_SIZE).engine
         overhead._install_null_forward(self.engine)

@@ -1,8 +1,8 @@
 """INT8 weight-only linears on a CPU: torch's int8 weight-packed matmul against dequantizing once.
 
 Prints microseconds per call, one thread, for float32 activations (against the engine's packed
-float32 GEMM, pagedllm.models.cpu_linear) and bfloat16 activations (against F.linear on bfloat16
-weights), at 1, 8 and 32 rows. pagedllm.models.quantization chose from these numbers.
+float32 GEMM, pagedllm.layers.cpu_linear) and bfloat16 activations (against F.linear on bfloat16
+weights), at 1, 8 and 32 rows. pagedllm.layers.quantization chose from these numbers.
 Usage: .venv/bin/python scripts/ab_int8_weight_matmul.py
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagedllm.models.cpu_linear import packed_linear, packed_linear_choice
+from pagedllm.layers.cpu_linear import packed_linear, packed_linear_choice
 
 
 def microseconds(call: Callable[[], object], repeats: int = 20) -> float:

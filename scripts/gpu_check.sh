@@ -17,7 +17,7 @@
 #            continuous vs static tokens/s and ratio, KV waste, TTFT/TPOT at 16/64/256 QPS, decode
 #            batch 1-256 vs the 4.8 TB/s roofline, the calibrated plan vs the measured runs (~5 min est.)
 #   tiles    scripts/gpu/tune_attention_tiles_gpu.py: times candidate tiles/warps/stages per bf16
-#            family and prints kernels/attention_tiles.py entries to check in (then rerun `kernels`)
+#            family and prints backend/kernels/attention_tiles.py entries to check in (then rerun `kernels`)
 #   lora     multi-LoRA: the compiled shrink/expand kernels against their references (fp32, bf16, ranks 4-64),
 #            their ms against a per-adapter torch loop at Llama-3.1-8B q|k|v shapes, and the CUDA engine's
 #            tokens through three adapters (max_loras=2) against the CPU engine's

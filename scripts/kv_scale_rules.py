@@ -1,5 +1,5 @@
 """Measured FP8 KV scales, rule against rule, on the embedded default model (the evidence for the rule in
-``pagedllm.worker.kv_quant``): ``pagedllm bench kv_accuracy``'s default-model case, with the scale a first prefill
+``pagedllm.attention.kv_quant``): ``pagedllm bench kv_accuracy``'s default-model case, with the scale a first prefill
 sets computed by each rule in turn (scale 1.0 is the bench's own row).
 
 Rules: ``power-of-two`` (the engine's: the smallest power of two mapping twice the largest value into range),
@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from pagedllm.bench import kv_accuracy
-from pagedllm.worker import kv_quant
+from pagedllm_bench import kv_accuracy
+from pagedllm.attention import kv_quant
 
 Rule = Callable[[float, float, str], float]  # (largest |x|, format's largest, "k" or "v") -> scale
 RULES: dict[str, Rule] = {

@@ -1,5 +1,5 @@
 """One sparse block's routed experts on the CPU, per call: the plain-torch reference, the compiled routine
-(``pagedllm.models.moe_cpu``), and one dense MKL-packed gate|up + down GEMM pair over as many rows.
+(``pagedllm.layers.moe_cpu``), and one dense MKL-packed gate|up + down GEMM pair over as many rows.
 
 The shapes are the tiny MoE benchmark models' (hidden 256, expert width 128) at decode-step token counts.
 Times are CPU time of this thread (``time.thread_time``), best of ``--repeats`` x ``--calls`` calls, so
@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 
 from pagedllm.kernels.fused_moe_reference import fused_moe_ref
-from pagedllm.models.cpu_linear import MklPackedLinear
-from pagedllm.models.moe_cpu import load_native_moe, pack_experts
+from pagedllm.layers.cpu_linear import MklPackedLinear
+from pagedllm.layers.moe_cpu import load_native_moe, pack_experts
 
 HIDDEN, INTER = 256, 128
 CASES = ((8, 2, 32), (16, 4, 32), (16, 4, 4), (16, 4, 1))  # (experts, top-k, tokens)

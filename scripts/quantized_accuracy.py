@@ -7,7 +7,7 @@ agreement and KL(transformers || engine) over the vocabulary at the continuation
 free-running greedy agreement. Prints one markdown table.
 
 FP8 schemes get a second row: the engine on its FP8-tensor-core path (``torch._scaled_mm`` with each
-Linear's input rounded to FP8, :mod:`pagedllm.models.fp8_linear`), forced on here because torch's CPU
+Linear's input rounded to FP8, :mod:`pagedllm.layers.fp8_linear`), forced on here because torch's CPU
 build runs ``_scaled_mm``: the arithmetic an H200 runs, in this CPU's float32.
 Usage: .venv/bin/python scripts/quantized_accuracy.py [--prompts 4] [--new-tokens 64]
 """
@@ -21,9 +21,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.bench.kv_accuracy import HELD_OUT, FullDistributions
+from pagedllm_bench.kv_accuracy import HELD_OUT, FullDistributions
 from pagedllm.engine.llm_engine import DEFAULT_MODEL_DIR
-from pagedllm.models import fp8_linear
+from pagedllm.layers import fp8_linear
 from pagedllm.testing.quantized_checkpoint import SCHEMES, make_quantized_checkpoint
 from pagedllm.testing.tokenizer_training import python_stdlib_texts
 

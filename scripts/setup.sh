@@ -11,7 +11,7 @@ python -m pip install --quiet --upgrade pip
 # Pin the CPU build first: an unpinned torch would pull a multi-gigabyte CUDA build.
 # On a GPU machine, install the torch you want before running this script.
 python -c "import torch" 2>/dev/null || python -m pip install --quiet torch==2.13.0
-python -m pip install --quiet -e ".[test]"
+python -m pip install --quiet -e ".[test,bench]"
 # The wheel carries a real tritonserver with the Python backend; it is only a binary
 # to us, and its dependency pins (numpy<2, an old tritonclient) would clash.
 python -m pip install --quiet --no-deps nvidia-pytriton==0.7.0

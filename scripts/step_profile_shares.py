@@ -3,8 +3,8 @@
 Record a throughput workload under py-spy (200 Hz, native frames), then classify its samples:
 
     py-spy record -r 200 --native -f raw -o /tmp/tiny-long-tail.txt -- python -c "
-    from pagedllm.bench.engines import run_pagedllm, EngineSettings
-    from pagedllm.bench.models import bench_model
+    from pagedllm_bench.engines import run_pagedllm, EngineSettings
+    from pagedllm_bench.models import bench_model
     from pagedllm.simulation.workloads import make_workload
     w = make_workload('long-tail', 'full', 0, 2048)
     run_pagedllm(bench_model('tiny'), w, EngineSettings(32, 2048, 16, -(-w.max_len // 16) * 16, 8), 'continuous')"

@@ -2,7 +2,7 @@
 
 Runs inside the venv that scripts/vllm_cpu_bench.sh builds (``--build-only``), so
 it imports nothing from pagedllm: the prompts are built by the same formula as
-``pagedllm.bench.sharing.beam_run``. Writes ``vllm-cpu-beam.json`` with, per
+``pagedllm_bench.sharing.beam_run``. Writes ``vllm-cpu-beam.json`` with, per
 width, the seconds and the beam tokens computed per second (width x new
 tokens per prompt), which ``pagedllm bench sharing`` prints beside its own.
 

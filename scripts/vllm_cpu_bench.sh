@@ -67,11 +67,11 @@ IFS=, read -ra SIZES <<< "$MODELS"
 for size in "${SIZES[@]}"; do
   if [[ "$size" == small ]]; then scale="$SMALL_SCALE"; kinds="$SMALL_WORKLOADS"; else scale="$SCALE"; kinds="$WORKLOADS"; fi
   "$PROJECT_PYTHON" -m pagedllm.simulation.workloads --scale "$scale" --kinds "$kinds" --out "$OUT/workloads" >/dev/null
-  model_dir="$("$PROJECT_PYTHON" -c "from pagedllm.bench.models import bench_model; print(bench_model('$size'))")"
+  model_dir="$("$PROJECT_PYTHON" -c "from pagedllm_bench.models import bench_model; print(bench_model('$size'))")"
   IFS=, read -ra KINDS <<< "$kinds"
   files=()
   for kind in "${KINDS[@]}"; do files+=("$OUT/workloads/$kind-$scale.json"); done
-  # Run outside the checkout: its top-level kernels/ folder would shadow the `kernels` package vllm probes for.
+  # Run outside the checkout, so that nothing in it shadows a package vllm imports.
   (cd "$VENV" && OMP_NUM_THREADS="$THREADS" VLLM_CPU_OMP_THREADS_BIND=nobind \
     "$VENV/bin/python" "$ROOT/scripts/vllm_cpu_replay.py" \
     --model "$model_dir" --model-name "$size" --workload "${files[@]}" --threads "$THREADS" --out-dir "$OUT")

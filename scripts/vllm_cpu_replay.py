@@ -3,7 +3,7 @@
 Runs inside the separate venv that scripts/vllm_cpu_bench.sh builds, so it
 imports nothing from pagedllm: the workload format and the output rows are
 read and written here by hand, matching ``pagedllm.simulation.workloads`` and
-``pagedllm.bench.engines.RunResult``. Engine settings mirror
+``pagedllm_bench.engines.RunResult``. Engine settings mirror
 ``pagedllm bench throughput``'s defaults (batch 32, 2048-token step budget,
 float32, max_model_len = longest request rounded up to a block). The one
 difference: vLLM's CPU attention backend only accepts KV blocks of a multiple of

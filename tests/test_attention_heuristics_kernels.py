@@ -1,6 +1,6 @@
 """Every tile-table entry, split counts and GQA packing, run by the interpreter against the reference.
 
-Each family of ``kernels/attention_tiles.py`` gets one batch that lands in it
+Each family of ``backend/kernels/attention_tiles.py`` gets one batch that lands in it
 (decode-only for ``decode``, a mixed prefill + decode batch for ``prefill``),
 and the test checks that the launch used that entry's settings and that its
 output matches ``unified_attention_ref``. ``PAGEDLLM_FULL_ATTENTION_TILES=1``

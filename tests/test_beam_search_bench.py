@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from pagedllm.simulation.null_engine import NullEngine
-from pagedllm.bench.sharing import branching_chat
+from pagedllm_bench.sharing import branching_chat
 from pagedllm.simulation.workloads import branching_levels, make_workload
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import SamplingParams
 
 
 def test_branching_chat_children_extend_their_parents_context() -> None:

@@ -17,9 +17,9 @@ from types import ModuleType
 
 import pytest
 
-from pagedllm.bench import memory, overhead, throughput
-from pagedllm.bench.engines import ENGINES, RunResult, agreement
-from pagedllm.bench.vllm_cpu import VllmReplayer, load_vllm
+from pagedllm_bench import memory, overhead, throughput
+from pagedllm_bench.engines import ENGINES, RunResult, agreement
+from pagedllm_bench.vllm_cpu import VllmReplayer, load_vllm
 from pagedllm.simulation.workloads import KINDS, Workload, long_tail_lengths, make_workload
 
 
@@ -267,7 +267,7 @@ def test_overhead_tiny_run_times_every_part(tmp_path: Path) -> None:
 @pytest.mark.tritonserver
 def test_serving_tiny_run_reports_latency_and_the_in_process_ratio(tmp_path: Path) -> None:
     pytest.importorskip("tritonclient.grpc")
-    from pagedllm.bench import serving
+    from pagedllm_bench import serving
 
     serving.run(_args(serving, "--tiny", "--rounds", "2", "--out", str(tmp_path)))
     rows = json.loads((tmp_path / "serving.json").read_text())["rows"]
@@ -283,7 +283,7 @@ def test_serving_tiny_run_reports_latency_and_the_in_process_ratio(tmp_path: Pat
 
 
 def test_bench_all_keeps_every_table_in_one_markdown_file(tmp_path: Path) -> None:
-    from pagedllm.bench import all as bench_all
+    from pagedllm_bench import all as bench_all
 
     bench_all.run(_args(bench_all, "--tiny", "--only", "memory,overhead", "--out", str(tmp_path)))
     text = (tmp_path / "bench-all.md").read_text()
@@ -295,7 +295,7 @@ def test_bench_all_keeps_every_table_in_one_markdown_file(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("flags", [("--api", "openai"), ("--concurrency", "8"), ("--tiny",)])
 def test_soak_refuses_the_flags_it_would_ignore(flags: tuple[str, ...]) -> None:
-    from pagedllm.bench import serving
+    from pagedllm_bench import serving
 
     with pytest.raises(SystemExit, match=f"drop {flags[0]}"):
         serving.run(_args(serving, "--soak", "100", *flags))

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedllm.bench.gpu import REFUSAL
-from pagedllm.bench.gpu_measures import (
+from pagedllm_bench.gpu import REFUSAL
+from pagedllm_bench.gpu_measures import (
     RequestTiming,
     decode_bytes_per_step,
     kv_waste,
@@ -25,7 +25,7 @@ from pagedllm.bench.gpu_measures import (
     timed_decode,
 )
 from pagedllm.cli import main
-from pagedllm.config import EngineConfig
+from pagedllm.core.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.planning.model_catalog import resolve_model
 from pagedllm.planning.step_time import ModelCost

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pagedllm.bench.serving_vllm_client import SERVED_NAME, _row, pagedllm_serve_command
+from pagedllm_bench.serving_vllm_client import SERVED_NAME, _row, pagedllm_serve_command
 from pagedllm.cli import build_parser
 from pagedllm.serving.cli import parse_engine_args
 

@@ -8,17 +8,17 @@ import torch
 
 from pagedllm.kernels import unified_attention_ref, write_kv_ref
 from pagedllm.testing.paged_batch import PagedBatch, random_paged_batch
-from pagedllm.worker.attention_backend import (
+from pagedllm.attention.backends import (
     BACKEND_NAMES,
     REFERENCE_BACKEND,
     attention_backend_named,
     select_attention_backend,
     torch_backend,
 )
-from pagedllm.worker.attention_metadata import AttentionMetadata
-from pagedllm.worker.cpu_attention import attention_with_lse, math_attention_with_lse, new_cpu_cache
-from pagedllm.worker.cpu_attention_plan import DECODE_BATCH_FILL, MIN_SHARED_PREFIX_BLOCKS, CpuAttentionPlan
-from pagedllm.worker.native_decode import load_native_decode
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.cpu_attention import attention_with_lse, math_attention_with_lse, new_cpu_cache
+from pagedllm.attention.cpu_attention_plan import DECODE_BATCH_FILL, MIN_SHARED_PREFIX_BLOCKS, CpuAttentionPlan
+from pagedllm.attention.native_decode import load_native_decode
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.config import EngineConfig
-from pagedllm.engine.cpu_binding import CpuSplit, parse_cpu_list, split_cpus
+from pagedllm.core.config import EngineConfig
+from pagedllm.platform.cpu_binding import CpuSplit, parse_cpu_list, split_cpus
 
 
 def test_cpu_lists_parse_like_taskset_and_bad_ones_are_refused() -> None:
@@ -44,9 +44,9 @@ def test_a_cpu_list_is_taken_as_given_and_must_be_allowed() -> None:
 SERVE_TWICE = textwrap.dedent("""
     import json, os, sys
     import torch
-    from pagedllm.config import EngineConfig
+    from pagedllm.core.config import EngineConfig
     from pagedllm.engine.core_process import EngineCoreProcess
-    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.core.sampling_params import SamplingParams
 
     config = EngineConfig(**json.loads(sys.argv[1]))
     first = EngineCoreProcess(config, bind_caller=True)

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.models import cpu_fused_ops as fused_module
-from pagedllm.models.cpu_fused_ops import CpuFusedOps, cpu_fused_ops
-from pagedllm.models.layers import RMSNorm, apply_rotary
-from pagedllm.worker.native_build import CACHE_ENV
+from pagedllm.layers import cpu_fused_ops as fused_module
+from pagedllm.layers.cpu_fused_ops import CpuFusedOps, cpu_fused_ops
+from pagedllm.layers.norm_rotary import RMSNorm, apply_rotary
+from pagedllm.platform.native_build import CACHE_ENV
 
 from test_models import load, make_caches, make_sequences, reference_logits, run_step
 

@@ -14,7 +14,7 @@ import pytest
 # threshold; a prefill step frees more than that.
 MEASURE = """
 import ctypes, json, sys, torch
-from pagedllm.worker.cpu_memory import keep_freed_memory
+from pagedllm.platform.cpu_memory import keep_freed_memory
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
@@ -50,7 +50,7 @@ def test_a_steps_freed_activations_stay_in_the_process() -> None:
 # The advised and the plain tensor's huge-page share, from the kernel's own accounting of their mappings.
 HUGE_PAGES = """
 import json, sys, torch
-from pagedllm.worker.cpu_memory import advise_huge_pages
+from pagedllm.platform.cpu_memory import advise_huge_pages
 
 def huge_kb(tensor):
     # madvise splits the mapping at the advised pages, so sum every mapping that overlaps the tensor.
@@ -72,8 +72,8 @@ accepted = advise_huge_pages(advised)
 advised.fill_(1.5)
 plain = torch.empty(size // 4).fill_(1.5)
 # What the engine allocates through it: a KV cache and a packed weight, 64 MB each.
-from pagedllm.models.cpu_linear import MklPackedLinear, _mkl
-from pagedllm.worker.cpu_attention import new_cpu_cache
+from pagedllm.layers.cpu_linear import MklPackedLinear, _mkl
+from pagedllm.attention.cpu_attention import new_cpu_cache
 cache = new_cpu_cache((2048, 16, 8, 64), torch.float32, torch.device("cpu")).permute(2, 0, 1, 3)
 packed = MklPackedLinear(torch.ones(4096, 4096), None).packed if _mkl() is not None else None
 print(json.dumps({"accepted": accepted, "advised_kb": huge_kb(advised), "plain_kb": huge_kb(plain),

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from pagedllm.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.testing.tokenizer_training import ENDOFTEXT, train_bpe_tokenizer
 
 CORPUS = [

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import EngineConfig
+from pagedllm.core.config import EngineConfig
 from pagedllm.engine.core_process import EngineCoreProcess
 from pagedllm.engine.core_wire import decode_outputs, encode_outputs
 from pagedllm.engine.engine_contract import FailureKind

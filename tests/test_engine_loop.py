@@ -11,7 +11,7 @@ from pagedllm.engine.engine_contract import EngineUnavailable, FailureKind
 from pagedllm.engine.engine_loop import EngineLoop
 from pagedllm.engine.request_timing import StepTimings
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -412,7 +412,7 @@ def test_on_step_reports_stats_and_finished_request_timings() -> None:
 
 def test_real_engine_streams_from_many_threads_exactly_as_offline(tiny_model_dir) -> None:
     from pagedllm import LLM
-    from pagedllm.config import EngineConfig
+    from pagedllm.core.config import EngineConfig
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.engine.outputs import FinalOutput
 

@@ -10,11 +10,11 @@ import torch
 from pagedllm.kernels import unified_attention_ref, write_kv_ref
 from pagedllm.kernels.reference import FP8_DTYPES, quantize_kv_ref
 from pagedllm.testing.paged_batch import random_paged_batch
-from pagedllm.worker.attention_backend import torch_backend
-from pagedllm.worker.attention_metadata import AttentionMetadata
-from pagedllm.worker.cpu_attention import new_cpu_cache
-from pagedllm.worker.kv_quant import LayerKvScales, make_kv_scales
-from pagedllm.worker.native_decode import load_native_decode
+from pagedllm.attention.backends import torch_backend
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.cpu_attention import new_cpu_cache
+from pagedllm.attention.kv_quant import LayerKvScales, make_kv_scales
+from pagedllm.attention.native_decode import load_native_decode
 
 CASES = {
     # decodes only: the compiled routine reads every one in place, block by block

@@ -10,7 +10,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.planning.kv_math import Deployment, capacity
 from pagedllm.planning.model_catalog import resolve_model
 from pagedllm.planning.gpu_catalog import this_cpu
-from pagedllm.serving.metrics import gauge_values
+from pagedllm.serving.triton.metrics import gauge_values
 from pagedllm.worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -118,7 +118,7 @@ def test_model_json_takes_kv_cache_dtype_and_names_a_bad_one(tmp_path) -> None:
 def test_memory_bench_fp8_row_holds_what_a_bf16_cache_must_queue_for() -> None:
     """`pagedllm bench memory`'s KV rows at a budget that binds for bfloat16's blocks (here the float32 cache
     given them): the 8-bit cache holds twice the blocks and runs every request at once, without waiting."""
-    from pagedllm.bench import memory
+    from pagedllm_bench import memory
     from pagedllm.simulation.workloads import make_workload
 
     bf16, fp8 = memory.measure_kv_dtypes(make_workload("long-tail", "tiny"), ["bf16-sized", "fp8_e4m3"], 128, 16,

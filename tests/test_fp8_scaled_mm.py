@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from pagedllm import LLM
-from pagedllm.bench.kv_accuracy import _distributions
-from pagedllm.models import fp8_linear
-from pagedllm.models.fp8_linear import FP8_DTYPE, FP8_MAX, Fp8Linear, fp8_tensor_cores
-from pagedllm.models.quantization import CheckpointQuantization, QuantizedWeights, WeightScheme, uses_scaled_mm
-from pagedllm.parallel.sharding import RowRange
+from pagedllm_bench.kv_accuracy import _distributions
+from pagedllm.layers import fp8_linear
+from pagedllm.layers.fp8_linear import FP8_DTYPE, FP8_MAX, Fp8Linear, fp8_tensor_cores
+from pagedllm.layers.quantization import CheckpointQuantization, QuantizedWeights, WeightScheme, uses_scaled_mm
+from pagedllm.distributed.sharding import RowRange
 from pagedllm.testing.quantized_checkpoint import make_quantized_checkpoint
 
 pytest.importorskip("compressed_tensors")
@@ -146,7 +146,7 @@ def test_engine_runs_fp8_checkpoint_linears_with_scaled_mm(fp8_checkpoint, schem
     dequantized = _distributions(LLM(str(model_dir), dtype="float32", num_kv_blocks=64, attention_backend="torch"),
                                  texts)
     monkeypatch.setattr(fp8_linear, "fp8_tensor_cores", lambda device: True)
-    with caplog.at_level(logging.INFO, logger="pagedllm.models.quantization"):
+    with caplog.at_level(logging.INFO, logger="pagedllm.layers.quantization"):
         llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, attention_backend="torch")
     assert [r for r in caplog.records if "run with torch._scaled_mm" in r.getMessage()]
     attention = llm.engine.model.model.layers[0].self_attn

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm import LLM
-from pagedllm.engine.gc_tuning import YOUNG_THRESHOLD, collect_young_less_often
+from pagedllm.platform.gc_tuning import YOUNG_THRESHOLD, collect_young_less_often
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def test_a_threshold_raised_further_is_kept(default_thresholds: None) -> None:
 def test_freezing_hides_the_startup_heap_and_later_cycles_are_still_collected() -> None:
     code = textwrap.dedent("""
         import gc, weakref
-        from pagedllm.engine.gc_tuning import freeze_startup_heap
+        from pagedllm.platform.gc_tuning import freeze_startup_heap
 
         class Node:
             pass

@@ -17,7 +17,7 @@ import huggingface_hub.constants
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.model_source import resolve_model_dir
+from pagedllm.core.model_source import resolve_model_dir
 from pagedllm.serving.engine_args import load_engine_config
 from pagedllm.testing.hub_cache import add_to_hub_cache
 
@@ -96,7 +96,7 @@ def test_hf_home_and_hf_hub_offline_come_from_the_environment(tiny_model_dir: Ca
     snapshot = add_to_hub_cache(tmp_path / "hf_home" / "hub", REPO_ID, tiny_model_dir("llama"))
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
-    code = f"from pagedllm.model_source import resolve_model_dir; print(resolve_model_dir({REPO_ID!r}))"
+    code = f"from pagedllm.core.model_source import resolve_model_dir; print(resolve_model_dir({REPO_ID!r}))"
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert Path(result.stdout.strip()) == snapshot

@@ -8,7 +8,7 @@ import torch
 
 from pagedllm.simulation.null_engine import NullEngine
 from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import InputBatch, batch_size_buckets
 
 BLOCK_SIZE = 4

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedllm.bench import kernels as bench
+from pagedllm_bench import kernels as bench
 
 
 def _args(tmp_path: Path) -> argparse.Namespace:
@@ -58,7 +58,7 @@ def test_tiny_run_prints_every_table_and_agrees_with_reference(
 
 
 def test_a_wrong_production_cpu_backend_fails_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pagedllm.worker import attention_backend
+    from pagedllm.attention import backends as attention_backend
 
     def off_by_a_bit(native: bool = True) -> attention_backend.AttentionBackend:
         backend = attention_backend.torch_backend(native)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from pagedllm.worker.attention_backend import select_attention_backend
+from pagedllm.attention.backends import select_attention_backend
 from pagedllm.kernels import (
     copy_blocks,
     copy_blocks_ref,

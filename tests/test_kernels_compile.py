@@ -112,7 +112,7 @@ def test_attention_compiles_for_sm90(case: tuple[Any, ...], launches: list[Launc
 
 
 def test_every_tile_table_entry_compiles_for_sm90(launches: list[Launch]) -> None:
-    """Each family's tiles, warps and stages (kernels/attention_tiles.py) fit an sm_90 block's shared memory."""
+    """Each family's tiles, warps and stages (backend/kernels/attention_tiles.py) fit an sm_90 block's shared memory."""
     head_dims = {64: 64, 128: 128, 256: 256}
     for family in HOPPER_TILES:
         dtype = torch.float32 if family.precision == "fp32" else torch.bfloat16

@@ -30,7 +30,7 @@ FORBIDDEN = (
     "pagedllm.egg-info/PKG-INFO",
 )
 # What `pip install /opt/pagedllm-src` reads: dropping any of these breaks the image.
-REQUIRED = ("pyproject.toml", "README.md", "backend/model.py", "backend/__init__.py", "kernels/__init__.py",
+REQUIRED = ("pyproject.toml", "README.md", "backend/serving/triton/model.py", "backend/__init__.py", "backend/kernels/__init__.py",
             "model_repository/llm/config.pbtxt")
 
 

@@ -22,7 +22,7 @@ from pagedllm.simulation.null_engine import NullEngine
 from pagedllm.core.beam_search import BeamCandidate
 from pagedllm.core.request import Request, SequenceStatus
 from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 STOP_TOKEN = 5

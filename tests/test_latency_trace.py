@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pagedllm.bench.latency import _gaps, _read_trace
+from pagedllm_bench.latency import _gaps, _read_trace
 from pagedllm.engine import latency_trace
 from pagedllm.engine.latency_trace import TRACE_ENV
 

@@ -1,4 +1,4 @@
-"""The LoRA terms of a tensor-parallel rank follow the base weights' layout (pagedllm.parallel.sharding).
+"""The LoRA terms of a tensor-parallel rank follow the base weights' layout (pagedllm.distributed.sharding).
 
 Without processes: each rank's adapted linears are built at its share's sizes and fed its share of the input, as
 the model does. Column-parallel q|k|v and gate|up: each rank's output rows equal the same rows of the TP=1 term
@@ -16,7 +16,7 @@ from pagedllm.lora.adapted_model import layer_parts
 from pagedllm.lora.adapter import LoRAAdapter, LoRAWeights
 from pagedllm.lora.linear import LoRAContext, LoRALinear
 from pagedllm.lora.mapping import build_lora_mapping
-from pagedllm.parallel.sharding import ModelShape, ShardLayout, shard_layout
+from pagedllm.distributed.sharding import ModelShape, ShardLayout, shard_layout
 
 SHAPE = ModelShape(num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, vocab_size=128)
 HIDDEN, RANK, TOKENS = 32, 4, 5

@@ -16,12 +16,12 @@ from torch import nn
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from pagedllm.worker.attention_backend import attention_backend_named
-from pagedllm.worker.attention_metadata import AttentionMetadata
+from pagedllm.attention.backends import attention_backend_named
+from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models import CausalLM, load_model
-from pagedllm.models.cpu_dtypes import native_cpu_dtypes, unsupported_cpu_dtype_message
-from pagedllm.models import cpu_linear
-from pagedllm.models.cpu_linear import SWITCH_ENV, MklPackedLinear, OneDnnLinear, PackedLinear
+from pagedllm.platform.cpu_dtypes import native_cpu_dtypes, unsupported_cpu_dtype_message
+from pagedllm.layers import cpu_linear
+from pagedllm.layers.cpu_linear import SWITCH_ENV, MklPackedLinear, OneDnnLinear, PackedLinear
 
 ARCHES = ["llama", "mistral", "qwen2", "qwen3"]
 # The production CPU attention, and the kernels' oracle it must agree with.
@@ -248,7 +248,7 @@ def test_bfloat16_on_a_cpu_without_bf16_units_warns(
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     assert (torch.bfloat16 not in native_cpu_dtypes()) == warned
-    with caplog.at_level(logging.WARNING, logger="pagedllm.models.cpu_dtypes"):
+    with caplog.at_level(logging.WARNING, logger="pagedllm.platform.cpu_dtypes"):
         load(tiny_model_dir("llama"), torch.bfloat16)
         load(tiny_model_dir("llama"), torch.float32)
     messages = [record.getMessage() for record in caplog.records]

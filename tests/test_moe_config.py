@@ -13,8 +13,8 @@ from transformers import AutoConfig, MixtralConfig, PretrainedConfig, Qwen2MoeCo
 
 from pagedllm.cli import main
 from pagedllm.models import load_model, resolve_architecture
-from pagedllm.models.moe_traits import moe_traits
-from pagedllm.worker.attention_backend import attention_backend_named
+from pagedllm.layers.moe_traits import moe_traits
+from pagedllm.attention.backends import attention_backend_named
 
 COMMON: dict[str, Any] = dict(hidden_size=32, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
                               intermediate_size=48, vocab_size=64)

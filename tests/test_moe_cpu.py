@@ -13,9 +13,9 @@ import torch
 
 from pagedllm.kernels.fused_moe_reference import fused_moe_ref
 from pagedllm import LLM, SamplingParams
-from pagedllm.models import moe_cpu
-from pagedllm.models.moe import SparseMoeBlock
-from pagedllm.models.moe_cpu import NativeMoe, load_native_moe
+from pagedllm.layers import moe_cpu
+from pagedllm.layers.moe import SparseMoeBlock
+from pagedllm.layers.moe_cpu import NativeMoe, load_native_moe
 
 from test_fused_moe import CASES, Case, make_inputs
 

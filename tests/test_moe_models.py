@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.llama import MLP
-from pagedllm.models.moe import SparseMoeBlock
+from pagedllm.layers.moe import SparseMoeBlock
 from pagedllm.testing.tiny_model import make_tiny_model
 
 from test_beam_search import reference as beam_reference  # noqa: E402

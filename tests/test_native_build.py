@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.worker.native_build import CACHE_ENV, load_library
+from pagedllm.platform.native_build import CACHE_ENV, load_library
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
 LOG = logging.getLogger(__name__)

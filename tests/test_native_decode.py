@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from pagedllm.kernels import unified_attention_ref
-from pagedllm.worker import native_decode
-from pagedllm.worker.attention_backend import torch_backend
-from pagedllm.worker.attention_metadata import AttentionMetadata
-from pagedllm.worker.cpu_attention_plan import plan_cpu_attention
-from pagedllm.worker.native_decode import load_native_decode
+from pagedllm.attention import native_decode
+from pagedllm.attention.backends import torch_backend
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.cpu_attention_plan import plan_cpu_attention
+from pagedllm.attention.native_decode import load_native_decode
 
 from test_cpu_attention import CASES, head_major, make_batch, metadata_of
 

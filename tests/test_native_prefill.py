@@ -15,10 +15,10 @@ import torch
 
 from pagedllm.kernels import unified_attention_ref
 from pagedllm.kernels.reference import FP8_DTYPES, quantize_kv_ref
-from pagedllm.worker import cpu_attention_plan, native_decode
-from pagedllm.worker.attention_backend import torch_backend
-from pagedllm.worker.cpu_attention_plan import native_prefill_wins
-from pagedllm.worker.native_prefill import load_native_prefill
+from pagedllm.attention import cpu_attention_plan, native_decode
+from pagedllm.attention.backends import torch_backend
+from pagedllm.attention.cpu_attention_plan import native_prefill_wins
+from pagedllm.attention.native_prefill import load_native_prefill
 
 from test_cpu_attention import Case, head_major, make_batch, metadata_of
 

@@ -8,7 +8,7 @@ import pytest
 
 from pagedllm.simulation.null_engine import NullEngine
 from pagedllm.simulation.workloads import KINDS, make_workload
-from pagedllm.config import EngineConfig
+from pagedllm.core.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.planning.calibrate import Batch, calibrate, random_checkpoint
 from pagedllm.planning.gpu_catalog import this_cpu
@@ -18,7 +18,7 @@ from pagedllm.planning.plan import Slo, make_plan
 from pagedllm.planning.replay import EngineLimits, replay, replay_replicas
 from pagedllm.planning.step_time import ModelCost, StepShape, StepTimeModel, fit
 from pagedllm.planning.traffic import TimedRequest
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("kind", KINDS)

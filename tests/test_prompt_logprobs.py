@@ -66,8 +66,8 @@ def test_prompt_logprobs_cross_the_engine_process_wire() -> None:
 
 
 def test_the_triton_response_carries_prompt_logprobs_once() -> None:
-    from pagedllm.serving.request_codec import GenerateRequest, ReturnFlags
-    from pagedllm.serving.response_codec import ResponseAssembler, merge_tensors
+    from pagedllm.serving.triton.request_codec import GenerateRequest, ReturnFlags
+    from pagedllm.serving.triton.response_codec import ResponseAssembler, merge_tensors
 
     request = GenerateRequest("p", SamplingParams(prompt_logprobs=1), stream=True, prepend_input=False,
                               returns=ReturnFlags())

@@ -58,7 +58,7 @@ def _transformers_greedy(model_dir: Path) -> list[list[int]]:
 def test_quantized_checkpoint_decodes_transformers_greedy_tokens(quantized, scheme: str,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     model_dir = quantized(scheme)
-    with caplog.at_level("INFO", logger="pagedllm.models.quantization"):
+    with caplog.at_level("INFO", logger="pagedllm.layers.quantization"):
         llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, attention_backend="torch")
     assert [r.message for r in caplog.records if "dequantized once at load" in r.message]
     ours = [list(out.outputs[0].token_ids) for out in llm.generate(

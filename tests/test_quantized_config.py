@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 import torch
 
-from pagedllm.models.quantization import (CheckpointQuantization, QuantizedWeights, WeightScheme,
+from pagedllm.layers.quantization import (CheckpointQuantization, QuantizedWeights, WeightScheme,
                                           checkpoint_quantization, dequantize_weight, kv_cache_scales)
-from pagedllm.parallel.sharding import RowRange
+from pagedllm.distributed.sharding import RowRange
 
 FP8_CHANNEL_DYNAMIC: dict[str, Any] = {
     "quant_method": "compressed-tensors",

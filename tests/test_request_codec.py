@@ -7,8 +7,8 @@ import re
 import numpy as np
 import pytest
 
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.serving.request_codec import INPUT_NAMES, ReturnFlags, parse_request, parse_sampling_parameters
+from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.serving.triton.request_codec import INPUT_NAMES, ReturnFlags, parse_request, parse_sampling_parameters
 
 
 def text(value: str | bytes) -> np.ndarray:

@@ -17,10 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedllm.config import EngineConfig
+from pagedllm.core.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.serving.request_codec import parse_request
+from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.serving.triton.request_codec import parse_request
 
 MAX_STEPS = 2000
 

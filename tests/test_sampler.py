@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm.worker.sampler import PenaltyState, Sampler, SamplingRow, apply_penalties, make_generator
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import SamplingParams
 
 VOCAB = 12
 CPU = torch.device("cpu")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import pagedllm.structured_outputs_params as constraint_limits
+import pagedllm.core.structured_outputs_params as constraint_limits
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.outputs import RequestOutput
 

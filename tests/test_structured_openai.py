@@ -316,7 +316,7 @@ def _offline_params(values: dict[str, Any]) -> SamplingParams:
 def test_triton_bad_constraint_is_invalid_arg_naming_the_field(serve: StructuredServe, constraint: dict[str, Any],
                                                                 reason: str) -> None:
     _, _, error = infer(serve.grpc_url, {"max_tokens": 8, "structured_outputs": constraint}, stream=True)
-    # "invalid request:" is how backend/model.py opens its INVALID_ARG messages (a stream error carries no code).
+    # "invalid request:" is how backend/serving/triton/model.py opens its INVALID_ARG messages (a stream error carries no code).
     assert error is not None and error.startswith("invalid request:") and "SamplingParams.structured_outputs" in error
     assert reason in error
     text, reason_after, error = infer(serve.grpc_url, {"max_tokens": 4, "temperature": 0}, stream=False)

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.parallel.workers import WorkerDied
+from pagedllm.executor.workers import WorkerDied
 from pagedllm.planning.kv_math import kv_bytes_per_token
 from pagedllm.planning.model_catalog import resolve_model
 from pagedllm.testing.tiny_model import make_tiny_model

@@ -37,7 +37,7 @@ def test_install_backend_writes_only_the_shim(tmp_path: Path) -> None:
     (tmp_path / "python").mkdir()
     path = install_backend(tmp_path)
     assert path == tmp_path.resolve() / "pagedllm" / "model.py"
-    assert path.read_text() == SHIM_SOURCE == "from pagedllm.model import TritonPythonModel\n"
+    assert path.read_text() == SHIM_SOURCE == "from pagedllm.serving.triton.model import TritonPythonModel\n"
     assert sorted(p.name for p in (tmp_path / "pagedllm").iterdir()) == ["model.py"]
 
 

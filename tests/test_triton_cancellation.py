@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from pagedllm.serving.cancellation import MAX_INTERVAL_S, MAX_PROBE_SHARE, CancellationWatcher, pause_after
+from pagedllm.serving.triton.cancellation import MAX_INTERVAL_S, MAX_PROBE_SHARE, CancellationWatcher, pause_after
 
 
 def wait_until(condition, timeout_s: float = 5.0) -> bool:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.config import EngineConfig
+from pagedllm.core.config import EngineConfig
 from pagedllm.serving.engine_args import load_engine_config
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import pytest
 
 from pagedllm.engine.request_timing import RequestTiming, StepTimings
-from pagedllm.serving.metrics import (
+from pagedllm.serving.triton.metrics import (
     E2E_BUCKETS,
     TritonMetrics,
     custom_metrics_enabled,
@@ -185,7 +185,7 @@ def test_a_switch_value_that_is_neither_true_nor_false_is_refused_by_name() -> N
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    from pagedllm.config import EngineConfig
+    from pagedllm.core.config import EngineConfig
     from pagedllm.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", device="cpu",

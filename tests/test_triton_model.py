@@ -119,8 +119,8 @@ def fake_pb_utils() -> types.ModuleType:
 @pytest.fixture
 def model(tiny_model_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake_pb_utils())
-    sys.modules.pop("pagedllm.model", None)
-    module = importlib.import_module("pagedllm.model")
+    sys.modules.pop("pagedllm.serving.triton.model", None)
+    module = importlib.import_module("pagedllm.serving.triton.model")
     (tmp_path / "1").mkdir()
     (tmp_path / "1" / "model.json").write_text(json.dumps(
         {"model": str(tiny_model_dir("llama")), "dtype": "float32", "device": "cpu", "num_kv_blocks": 64,
@@ -130,7 +130,7 @@ def model(tiny_model_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
                          "model_repository": str(tmp_path), "model_version": "1", "model_name": "llm"})
     yield instance
     instance.finalize()
-    sys.modules.pop("pagedllm.model", None)
+    sys.modules.pop("pagedllm.serving.triton.model", None)
 
 
 def generate_request(prompt: str, sampling: dict[str, object], stream: bool = True) -> Request:

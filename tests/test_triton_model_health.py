@@ -78,7 +78,7 @@ def test_a_dead_loop_fails_in_flight_requests_unloads_the_model_and_refuses_new_
 
 
 def test_finalize_returns_within_its_budget_while_a_step_hangs(model, monkeypatch: pytest.MonkeyPatch) -> None:
-    import pagedllm.model as module
+    import pagedllm.serving.triton.model as module
 
     monkeypatch.setattr(module, "FINALIZE_BUDGET_S", 2.0)
     release = threading.Event()

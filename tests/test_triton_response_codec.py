@@ -6,9 +6,9 @@ import json
 import numpy as np
 
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.serving.request_codec import GenerateRequest, ReturnFlags
-from pagedllm.serving.response_codec import ResponseAssembler, merge_tensors
+from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.serving.triton.request_codec import GenerateRequest, ReturnFlags
+from pagedllm.serving.triton.response_codec import ResponseAssembler, merge_tensors
 
 ALL_RETURNS = ReturnFlags(True, True, True, True, True)
 

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from pagedllm.serving.response_dispatcher import Data, Failure, ResponseDispatcher
+from pagedllm.serving.triton.response_dispatcher import Data, Failure, ResponseDispatcher
 
 
 def text(value: str) -> dict[str, np.ndarray]:

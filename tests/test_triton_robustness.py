@@ -102,7 +102,7 @@ def model_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
 DYING_MODEL = "llm_dying"
 KILL_PROMPT = "__kill_the_engine_loop__"
 DYING_MODEL_PY = f'''
-from pagedllm.model import TritonPythonModel as PagedLLMModel
+from pagedllm.serving.triton.model import TritonPythonModel as PagedLLMModel
 
 
 class InjectedFault(BaseException):

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedllm.core.beam_search import BeamSearch
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
 

@@ -17,7 +17,7 @@ queued for as many steps. The prompt never travels back: the parent puts it on t
 outputs. If the child dies (a crashing kernel, the OOM killer), the step
 that notices raises, the loop fails the in-flight requests, and the next call
 starts a fresh child: the server keeps serving without a reload. The child binds
-itself to CPUs of its own as ``cpu_bind`` says (:mod:`pagedllm.engine.cpu_binding`),
+itself to CPUs of its own as ``cpu_bind`` says (:mod:`pagedllm.platform.cpu_binding`),
 and the stub moves its threads to the rest.
 """
 from __future__ import annotations
@@ -34,15 +34,15 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from pagedllm.config import EngineConfig
+from pagedllm.core.config import EngineConfig
 from pagedllm.engine import latency_trace
 from pagedllm.engine.admission import AdmissionLimits, check_request, tokenize_prompt
-from pagedllm.engine.cpu_binding import CpuSplit, bind_engine, pin_process
+from pagedllm.platform.cpu_binding import CpuSplit, bind_engine, pin_process
 from pagedllm.engine.core_wire import decode_outputs, encode_outputs
 from pagedllm.engine.engine_contract import STALLED_RETRY_S, EngineBroken, progress
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.lora.request import LoRARequest
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ def _python_executable() -> str:
 
 def child_main(fd: int) -> None:
     """Entry point of the child interpreter: serve the engine over the connection on ``fd``."""
-    from pagedllm.engine.gc_tuning import freeze_startup_heap
+    from pagedllm.platform.gc_tuning import freeze_startup_heap
     from pagedllm.engine.llm_engine import LLMEngine
 
     conn = Connection(fd)

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import SamplingParams
 
 # Priming needs only enough prompt tokens to settle the spacing and any
 # character the prompt leaves unfinished; decoding the whole prompt would cost

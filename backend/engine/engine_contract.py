@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.request_timing import StepTimings
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import SamplingParams
 
 
 class FailureKind(enum.Enum):

@@ -48,7 +48,7 @@ from pagedllm.engine.engine_contract import (
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.engine.request_timing import StepTimings, TimingAccount
 from pagedllm.lora.request import LoRARequest
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

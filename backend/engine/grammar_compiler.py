@@ -31,7 +31,7 @@ from concurrent.futures import Future
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
-from pagedllm.structured_outputs_params import StructuredOutputsParams
+from pagedllm.core.structured_outputs_params import StructuredOutputsParams
 
 CACHE_ENTRIES = 256
 WORKERS = max(2, min(8, (os.cpu_count() or 2) // 2))

@@ -5,7 +5,7 @@ calls :func:`mark` at its hops. With ``PAGEDLLM_LATENCY_TRACE=<folder>`` in the
 environment (children inherit it), each process appends ``hop<TAB>key<TAB>ns`` lines
 to ``<folder>/trace-<pid>.tsv``; ``ns`` is ``CLOCK_MONOTONIC``, one clock for every
 process of a host, so the hops of one request line up across processes.
-``pagedllm bench latency`` (``pagedllm.bench.latency``) reads them back.
+``pagedllm bench latency`` (``pagedllm_bench.latency``) reads them back.
 Unset, :func:`mark` is one global test: nothing is timed or written.
 
 ``key`` is the part of a request id before its first ``-``: the door's uuid, which the stub

@@ -12,23 +12,23 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
-from pagedllm.config import EngineConfig
+from pagedllm.core.config import EngineConfig
 from pagedllm.core.beam_search import BeamCandidate, BeamSearch
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, Sequence, SequenceStatus
 from pagedllm.core.scheduler import BeamBatch, Scheduler, SchedulerOutput
 from pagedllm.core.stop_policy import StopPolicy
 from pagedllm.engine.admission import AdmissionLimits, check_request, tokenize_prompt
-from pagedllm.engine.device_side import set_up_device_side
-from pagedllm.engine.gc_tuning import collect_young_less_often
+from pagedllm.executor.device_side import set_up_device_side
+from pagedllm.platform.gc_tuning import collect_young_less_often
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.engine.structured_outputs import StructuredOutputs
 from pagedllm.engine.prompt_logprobs import PromptLogprobsCollector
 from pagedllm.lora.request import LoRARequest
-from pagedllm.model_source import resolve_model_dir
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.cpu_memory import keep_freed_memory
+from pagedllm.core.model_source import resolve_model_dir
+from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.platform.cpu_memory import keep_freed_memory
 from pagedllm.worker.beam_sampler import beam_candidates
 from pagedllm.worker.sampler import (PenaltyState, SampledToken, Sampler, SamplingRow, make_generator,
                                      needs_penalties)

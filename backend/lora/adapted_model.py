@@ -3,7 +3,7 @@
 q|k|v and gate|up are column-parallel: a rank's ``B`` rows are the same rows of q, k, v (gate, up) that its base
 weight holds, and ``A`` is whole. o_proj and down_proj are row-parallel: a rank's ``A`` columns are its base
 weight's input columns and ``B`` is whole; their LoRA term is added before the layer's all-reduce (the wrapper sits
-inside it), so the ranks' partial products sum to the whole. The rules come from :mod:`pagedllm.parallel.sharding`.
+inside it), so the ranks' partial products sum to the whole. The rules come from :mod:`pagedllm.distributed.sharding`.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from pagedllm.lora.adapter import LoRAAdapter, LoRAWeights, config_model_shape
 from pagedllm.lora.linear import LoRAContext, LoRALinear
 from pagedllm.models import CausalLM
-from pagedllm.parallel.sharding import RowRange, ShardLayout
+from pagedllm.distributed.sharding import RowRange, ShardLayout
 
 Part = tuple[torch.Tensor, torch.Tensor]  # (A [rank, in], B [out, rank]) of one part of a fused linear
 

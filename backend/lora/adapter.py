@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import PretrainedConfig
 
-from pagedllm.models.moe_traits import MOE_MODEL_TYPES
+from pagedllm.layers.moe_traits import MOE_MODEL_TYPES
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

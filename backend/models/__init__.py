@@ -4,8 +4,25 @@
 ``forward(input_ids, positions, kv_caches, attn)`` runs a flat batch over the
 paged KV cache and whose ``compute_logits(hidden)`` gives float32 logits.
 """
-from pagedllm.models.architectures import SUPPORTED_ARCHITECTURES, ArchitectureTraits, resolve_architecture
-from pagedllm.models.llama import CausalLM
-from pagedllm.models.loader import load_model
+from __future__ import annotations
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ArchitectureTraits", "CausalLM", "load_model", "resolve_architecture"]
+import importlib
+from typing import Any
+
+# Resolved on first use, so importing a light module of this package (the architecture table)
+# does not load torch and the whole model.
+_EXPORTS = {
+    "SUPPORTED_ARCHITECTURES": "pagedllm.models.architectures",
+    "ArchitectureTraits": "pagedllm.models.architectures",
+    "resolve_architecture": "pagedllm.models.architectures",
+    "CausalLM": "pagedllm.models.llama",
+    "load_model": "pagedllm.models.loader",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pagedllm.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from pagedllm.models.moe_traits import MOE_MODEL_TYPES, MoeTraits, moe_traits
+from pagedllm.layers.moe_traits import MOE_MODEL_TYPES, MoeTraits, moe_traits
 
 
 @dataclass(frozen=True, slots=True)

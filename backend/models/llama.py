@@ -1,5 +1,5 @@
 """Native forward of the Llama family (Llama, Mistral, Qwen2, Qwen3, and the mixtures of experts Mixtral,
-Qwen2-MoE and Qwen3-MoE, whose sparse layers run :class:`pagedllm.models.moe.SparseMoeBlock`) over a paged KV cache.
+Qwen2-MoE and Qwen3-MoE, whose sparse layers run :class:`pagedllm.layers.moe.SparseMoeBlock`) over a paged KV cache.
 
 Tokens of every scheduled sequence arrive as one flat batch; attention reads
 and writes the cache only through the ``AttentionBackend`` and the step's
@@ -8,7 +8,7 @@ before the forward and shared by every layer. Projections are fused (q|k|v and g
 launches; the loader concatenates the checkpoint's separate weights.
 
 Under tensor parallelism (``tp.size > 1``) each rank builds the same modules at
-its share's sizes (:mod:`pagedllm.parallel.sharding`): q|k|v and gate|up hold
+its share's sizes (:mod:`pagedllm.distributed.sharding`): q|k|v and gate|up hold
 its rows, o_proj and down_proj its columns, followed by one all-reduce each,
 with their biases added once, after it; the embedding and the LM head hold its
 vocabulary slice.
@@ -23,21 +23,21 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from pagedllm.worker.attention_backend import AttentionBackend
-from pagedllm.worker.attention_metadata import AttentionMetadata
-from pagedllm.worker.kv_quant import LayerKvScales
+from pagedllm.attention.backends import AttentionBackend
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.kv_quant import LayerKvScales
 from pagedllm.models.architectures import ArchitectureTraits
-from pagedllm.models.cpu_fused_ops import CpuFusedOps
-from pagedllm.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
-from pagedllm.models.moe import SparseMoeBlock, intermediate_layout
-from pagedllm.models.tensor_parallel import (ParameterSource, TensorPart, VocabParallelEmbedding, gather_vocab,
+from pagedllm.layers.cpu_fused_ops import CpuFusedOps
+from pagedllm.layers.norm_rotary import RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
+from pagedllm.layers.moe import SparseMoeBlock, intermediate_layout
+from pagedllm.layers.tensor_parallel import (ParameterSource, TensorPart, VocabParallelEmbedding, gather_vocab,
                                              model_shape)
-from pagedllm.parallel.group import SINGLE, TensorParallel
-from pagedllm.parallel.sharding import RowRange, ShardLayout, shard_layout
+from pagedllm.distributed.group import SINGLE, TensorParallel
+from pagedllm.distributed.sharding import RowRange, ShardLayout, shard_layout
 
 
 def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
-    # The loader packs these for MKL or oneDNN on CPUs in float32 (pagedllm.models.cpu_linear).
+    # The loader packs these for MKL or oneDNN on CPUs in float32 (pagedllm.layers.cpu_linear).
     layer = nn.Linear(in_features, out_features, bias=bias)
     layer.requires_grad_(False)
     return layer
@@ -67,7 +67,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if traits.qk_norm else None
         # Rotary in place on the fused q|k heads; per-head q/k norms come first, so those models keep torch's.
         self.fused_rotary = None if traits.qk_norm else fused
-        # An 8-bit KV cache's scales for this layer (pagedllm.worker.kv_quant), set by the engine; None otherwise.
+        # An 8-bit KV cache's scales for this layer (pagedllm.attention.kv_quant), set by the engine; None otherwise.
         self.kv_scales: LayerKvScales | None = None
 
     def forward(
@@ -191,7 +191,7 @@ class CausalLM(nn.Module):
     except for the fused ``qkv_proj`` and ``gate_up_proj``; see
     ``checkpoint_sources``. Build it on the meta device and let the loader
     assign real tensors. ``fused``: compiled elementwise steps for float32 on
-    a CPU (:mod:`pagedllm.models.cpu_fused_ops`); ``None`` keeps torch ops.
+    a CPU (:mod:`pagedllm.layers.cpu_fused_ops`); ``None`` keeps torch ops.
     ``tp``: this process's rank in its tensor-parallel group; the model holds
     that rank's share (``num_heads``, ``num_kv_heads`` are per rank).
     ``ValueError`` when the group's size cannot split the model.

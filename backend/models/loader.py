@@ -20,15 +20,15 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from pagedllm.worker.attention_backend import AttentionBackend
+from pagedllm.attention.backends import AttentionBackend
 from pagedllm.models.architectures import resolve_architecture
-from pagedllm.models.cpu_dtypes import warn_if_emulated
-from pagedllm.models.cpu_fused_ops import cpu_fused_ops
-from pagedllm.models.cpu_linear import pack_linears, packed_linear, packed_linear_choice
+from pagedllm.platform.cpu_dtypes import warn_if_emulated
+from pagedllm.layers.cpu_fused_ops import cpu_fused_ops
+from pagedllm.layers.cpu_linear import pack_linears, packed_linear, packed_linear_choice
 from pagedllm.models.llama import CausalLM
-from pagedllm.models.quantization import QuantizedWeights
-from pagedllm.models.tensor_parallel import TensorPart
-from pagedllm.parallel.group import SINGLE, TensorParallel
+from pagedllm.layers.quantization import QuantizedWeights
+from pagedllm.layers.tensor_parallel import TensorPart
+from pagedllm.distributed.group import SINGLE, TensorParallel
 
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -43,10 +43,10 @@ def load_model(
 ) -> CausalLM:
     """Build the model for ``model_dir`` and fill it with the checkpoint's weights.
 
-    Float32 linears on a CPU are packed for MKL or oneDNN (:mod:`pagedllm.models.cpu_linear`), and its
-    elementwise steps run fused (:mod:`pagedllm.models.cpu_fused_ops`).
+    Float32 linears on a CPU are packed for MKL or oneDNN (:mod:`pagedllm.layers.cpu_linear`), and its
+    elementwise steps run fused (:mod:`pagedllm.layers.cpu_fused_ops`).
     Logs a warning when ``dtype`` is a half type this CPU only emulates (see
-    :mod:`pagedllm.models.cpu_dtypes`). Raises ``ValueError`` for an unsupported architecture, a directory without
+    :mod:`pagedllm.platform.cpu_dtypes`). Raises ``ValueError`` for an unsupported architecture, a directory without
     safetensors weights, a checkpoint whose tensors do not match the model
     (names of missing and unexpected tensors are listed), or a ``tp`` group the model cannot be split over.
     """
@@ -134,7 +134,7 @@ def _read(handle: Any, part: TensorPart) -> torch.Tensor:
 def _read_part(handles: dict[Path, Any], location: dict[str, Path], part: TensorPart,
                quantized: QuantizedWeights | None) -> torch.Tensor:
     """:func:`_read`, or for a quantized checkpoint's quantized weight its dequantized rows
-    (:mod:`pagedllm.models.quantization`)."""
+    (:mod:`pagedllm.layers.quantization`)."""
     if quantized is not None and quantized.quantizes(part.name):
         return quantized.load(part.name, part.rows,
                               lambda name: handles[location[name]].get_tensor(name) if name in location else None)

@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 from pagedllm.simulation.null_engine import NullEngine
-from pagedllm.config import EngineConfig
+from pagedllm.core.config import EngineConfig
 from pagedllm.engine.llm_engine import DEFAULT_MODEL_DIR, LLMEngine
 from pagedllm.planning.model_catalog import ModelSpec, spec_from_config
 from pagedllm.planning.step_time import ModelCost, StepShape, StepTimeModel, fit
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

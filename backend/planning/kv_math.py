@@ -15,7 +15,7 @@ import numpy as np
 
 from pagedllm.planning.gpu_catalog import GIB, Accelerator
 from pagedllm.planning.model_catalog import ModelSpec
-from pagedllm.parallel.sharding import ModelShape, ShardLayout, shard_layout
+from pagedllm.distributed.sharding import ModelShape, ShardLayout, shard_layout
 
 # "fp8", "fp8_e4m3", "fp8_e5m2": an 8-bit KV cache (the engine's kv_cache_dtype names the last two).
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
@@ -71,7 +71,7 @@ class KvCapacity:
 
 
 def rank_layout(model: ModelSpec, tensor_parallel_size: int) -> ShardLayout:
-    """What one GPU holds, by the engine's own sharding rules (``pagedllm.parallel.sharding``)."""
+    """What one GPU holds, by the engine's own sharding rules (``pagedllm.distributed.sharding``)."""
     shape = ModelShape(model.num_heads, model.num_kv_heads, model.head_dim, model.intermediate_size, model.vocab_size)
     try:
         return shard_layout(shape, 0, tensor_parallel_size)

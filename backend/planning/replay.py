@@ -19,7 +19,7 @@ from pagedllm.simulation.null_engine import NullEngine
 from pagedllm.core.request import Request
 from pagedllm.planning.step_time import StepShape
 from pagedllm.planning.traffic import TimedRequest
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,1 +1,1 @@
-"""Running pagedllm inside a real tritonserver: launcher, backend installer, request codec, metrics."""
+"""Running pagedllm: the tritonserver launcher and backend installer, the Triton adapter (``triton/``), the OpenAI door (``openai/``)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 from pagedllm.serving.triton_files import TritonFiles
 
 BACKEND_NAME = "pagedllm"
-SHIM_SOURCE = "from pagedllm.model import TritonPythonModel\n"
+SHIM_SOURCE = "from pagedllm.serving.triton.model import TritonPythonModel\n"
 
 
 def assemble_backend_dir(target: Path, files: TritonFiles) -> Path:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from pagedllm.serving.backend_dir import install_backend
 from pagedllm.serving.health import HealthServer
 from pagedllm.serving.engine_args import load_engine_config
-from pagedllm.serving.request_codec import INPUT_SPECS, OUTPUT_SPECS
+from pagedllm.serving.triton.request_codec import INPUT_SPECS, OUTPUT_SPECS
 from pagedllm.serving.server import TritonServer
 from pagedllm.serving.server_placement import run_beside
 from pagedllm.serving.supervision import DIR_VARIABLE
@@ -225,7 +225,7 @@ def generated_repository(args: argparse.Namespace, root: Path) -> Path:
         raise ValueError("--model and --model-repository exclude each other: pass one")
     from pagedllm.lora.modules import (MULTI_LORA_FILE, adapter_rank, parse_lora_modules, served_modules,
                                        write_multi_lora)
-    from pagedllm.model_source import resolve_model_dir
+    from pagedllm.core.model_source import resolve_model_dir
 
     engine_args = parse_engine_args(args.engine_arg)
     if "model" in engine_args:

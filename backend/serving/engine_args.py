@@ -13,7 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from pagedllm.config import EngineConfig
+from pagedllm.core.config import EngineConfig
 
 ENGINE_ARGS_FILE = "model.json"
 

@@ -1,6 +1,6 @@
 """Moving tritonserver's own threads off the CPUs the engine core binds, and back.
 
-``cpu_bind`` (:mod:`pagedllm.engine.cpu_binding`) gives the engine child CPUs of its
+``cpu_bind`` (:mod:`pagedllm.platform.cpu_binding`) gives the engine child CPUs of its
 own and moves the stub's threads to the rest. tritonserver's gRPC/HTTP threads handle
 every streamed response too, and left unbound the kernel's load balancer moves them
 (and any load client on the host) onto the engine's CPUs whenever the serving CPUs are
@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedllm.engine.cpu_binding import parse_cpu_list, pin_process
+from pagedllm.platform.cpu_binding import parse_cpu_list, pin_process
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.core.stop_policy import StopPolicy
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import SamplingParams
 
 NULL_TOKEN = 7
 

@@ -1,1 +1,1 @@
-"""Runs a scheduled step on the device: input batch, attention backends, model runner, sampler."""
+"""Runs a scheduled step on the model: input batch, step wire, model runner, samplers, CUDA graphs."""

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.models import CausalLM
-from pagedllm.worker.attention_backend import AttentionBackend
-from pagedllm.worker.attention_metadata import AttentionMetadata
+from pagedllm.attention.backends import AttentionBackend
+from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.worker.input_batch import StepInputs
 
 # vLLM's default too: above this a decode step is long enough that launch time is a small share of it.

@@ -20,7 +20,7 @@ import torch
 from pagedllm.core.request import Sequence
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.lora.mapping import LoRAMapping, build_lora_mapping
-from pagedllm.worker.attention_metadata import AttentionMetadata
+from pagedllm.attention.metadata import AttentionMetadata
 
 
 @dataclass(frozen=True, slots=True)

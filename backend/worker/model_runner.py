@@ -6,14 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.config import EngineConfig
+from pagedllm.core.config import EngineConfig
 from pagedllm.lora.manager import LoRAManager
-from pagedllm.worker.attention_backend import AttentionBackend
+from pagedllm.attention.backends import AttentionBackend
 from pagedllm.worker.cuda_graphs import DecodeGraphs
 from pagedllm.worker.input_batch import InputBatch, StepInputs
 from pagedllm.models import CausalLM
 from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.parallel.step_wire import broadcast_step
+from pagedllm.worker.step_wire import broadcast_step
 from pagedllm.planning.kv_math import kv_block_bytes
 
 # The KV budget on a CPU when kv_cache_memory_gb is not given.

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import SamplingParams
 
 
 class PenaltyState:

@@ -23,7 +23,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import unified_attention, write_kv
 from pagedllm.kernels.reference import FP8_DTYPES, quantize_kv_ref, unified_attention_ref, write_kv_ref
-from pagedllm.models.fp8_linear import fp8_tensor_cores
+from pagedllm.layers.fp8_linear import fp8_tensor_cores
 from pagedllm.testing.paged_batch import random_paged_batch
 from pagedllm.testing.tiny_model import make_tiny_model
 

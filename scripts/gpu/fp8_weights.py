@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.bench.kv_accuracy import _distributions
-from pagedllm.models import fp8_linear
-from pagedllm.models.fp8_linear import FP8_DTYPE, FP8_MAX, Fp8Linear, quantize_activations
+from pagedllm_bench.kv_accuracy import _distributions
+from pagedllm.layers import fp8_linear
+from pagedllm.layers.fp8_linear import FP8_DTYPE, FP8_MAX, Fp8Linear, quantize_activations
 
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
@@ -93,7 +93,7 @@ def _to_fp8(model: nn.Module, wrap: Callable[[Fp8Linear], nn.Module], dtype: tor
 def scaled_mm_decode_step(device: torch.device, dtypes: tuple[str, ...]) -> int:
     """On the embedded default model (trained: its next-token choices are not near-ties everywhere, as a random
     model's are), four held-out stdlib prompts of 200 tokens."""
-    from pagedllm.bench.kv_accuracy import _default_model_case
+    from pagedllm_bench.kv_accuracy import _default_model_case
 
     failures = 0
     backend = "triton" if device.type == "cuda" else "torch"

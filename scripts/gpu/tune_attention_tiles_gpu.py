@@ -8,7 +8,7 @@ chunk and a mixed batch). The score is the geometric mean of the shapes' times.
 Candidates that fail to compile (shared memory) or to match are skipped. The
 fp32 entries are left as they are (bf16 is what runs on the GPU).
 
-Prints the winners as ``TileConfig`` lines to paste into kernels/attention_tiles.py,
+Prints the winners as ``TileConfig`` lines to paste into backend/kernels/attention_tiles.py,
 then check the ratios with ``pagedllm bench kernels --rep-ms 30``.
 Usage: python3 scripts/gpu/tune_attention_tiles_gpu.py [--heads 64,128,256] [--json OUT]
 """
@@ -66,7 +66,7 @@ def main() -> None:
         c = best.config
         lines.append(f'TileFamily({phase[0]}, {head}, "16bit"): TileConfig(block_m={c.block_m}, tile_n={c.tile_n}, '
                      f"num_warps={c.num_warps}, num_stages={c.num_stages}),")
-    print("\nmeasured entries for kernels/attention_tiles.py:\n" + "\n".join(lines))
+    print("\nmeasured entries for backend/kernels/attention_tiles.py:\n" + "\n".join(lines))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
 

@@ -15,7 +15,7 @@ from typing import Any
 from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from pagedllm.model_source import resolve_model_dir
+from pagedllm.core.model_source import resolve_model_dir
 from pagedllm.serving.engine_args import load_engine_config
 from pagedllm.serving.openai.errors import OpenAIError
 

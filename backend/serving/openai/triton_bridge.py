@@ -5,7 +5,7 @@ iterator sends the single request and half-closes, Triton ends the call after th
 request's last response, and cancelling the call (a client went away) makes Triton
 cancel the request, so the backend aborts it and frees its KV blocks at the next
 engine step. The tensors are the model's vllm_backend-compatible ones
-(``pagedllm.serving.request_codec``): the prompt is always excluded from the output,
+(``pagedllm.serving.triton.request_codec``): the prompt is always excluded from the output,
 the token counts and finish reasons are always asked for, logprobs when wanted.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ from tritonclient.utils import InferenceServerException
 
 from pagedllm.engine import latency_trace
 from pagedllm.serving.openai.errors import OpenAIError, engine_rejection
-from pagedllm.serving.request_codec import SPARSE_OUTPUTS
+from pagedllm.serving.triton.request_codec import SPARSE_OUTPUTS
 
-_INVALID_REQUEST = "invalid request:"  # how backend/model.py begins its INVALID_ARG messages
+_INVALID_REQUEST = "invalid request:"  # how backend/serving/triton/model.py begins its INVALID_ARG messages
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +113,7 @@ def _inputs(prompt: str, sampling: Mapping[str, Any], stream: bool) -> list[grpc
         *((name, np.array([True]), "BOOL") for name in (
             "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")),
         # The prompt length with the first response only, finish reasons once a sample ends: two output
-        # tensors per streamed token instead of four (pagedllm.serving.request_codec.ReturnFlags.sparse).
+        # tensors per streamed token instead of four (pagedllm.serving.triton.request_codec.ReturnFlags.sparse).
         (SPARSE_OUTPUTS, np.array([True]), "BOOL"),
         # Only when asked: the backend would otherwise encode a JSON "null" per sample per step.
         ("return_logprobs", np.array([sampling.get("logprobs") is not None]), "BOOL"),

@@ -1,0 +1,1 @@
+"""Paged attention: backend selection, the step's metadata, KV quantization, and the CPU, compiled and Triton backends."""

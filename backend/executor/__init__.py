@@ -1,0 +1,1 @@
+"""Runs the model: in this process, or across a tensor-parallel group of worker processes."""

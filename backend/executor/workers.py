@@ -1,0 +1,177 @@
+"""Rank 0's side of tensor parallelism: start the worker ranks, hand them their work, notice when one dies.
+
+Workers are plain child interpreters of the engine-core process, started with
+the same Python (in a served model that is the venv's, not the Triton stub's),
+one per rank 1..tp-1. Each joins torch.distributed's env rendezvous on a port
+picked free here, loads its own slice of the checkpoint and then runs the
+forward of every step rank 0 broadcasts (:mod:`pagedllm.executor.worker_main`).
+They never outlive rank 0: each asks the kernel for SIGKILL when its parent
+dies (``PR_SET_PDEATHSIG``) and watches its parent's pid besides.
+
+A worker that dies makes rank 0's next collective fail at once (gloo sees the
+closed connection); :meth:`WorkerGroup.check` then names the rank and how it
+ended, and the engine raises :class:`WorkerDied`, which ends the engine core so
+that the serving layer's recovery starts a fresh one with fresh workers.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from transformers import AutoConfig
+
+from pagedllm.engine.engine_contract import EngineBroken
+from pagedllm.layers.tensor_parallel import model_shape
+from pagedllm.distributed.group import TensorParallel, join_group, leave_group
+from pagedllm.distributed.sharding import shard_layout
+from pagedllm.worker.step_wire import broadcast_stop
+
+log = logging.getLogger(__name__)
+
+WORKER_MARKER = "from pagedllm.executor.worker_main import main"  # in every worker's command line
+THREADS_ENV = "PAGEDLLM_TP_THREADS"
+DEVICE_ENV = "PAGEDLLM_TP_DEVICE"
+PARENT_ENV = "PAGEDLLM_TP_PARENT"
+
+
+class WorkerDied(EngineBroken):
+    """A tensor-parallel worker rank ended; the engine cannot step without it and must be restarted."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """What every rank loads, sent by rank 0 once the group has formed."""
+
+    config: Any  # pagedllm.core.config.EngineConfig
+    model_dir: str
+    dtype: torch.dtype
+    attention_backend: str  # a name attention_backend_named() takes
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerSpec:
+    """How every rank sizes its KV cache and input batch, decided on rank 0 after the ranks agreed a budget."""
+
+    num_blocks: int
+    max_model_len: int
+
+
+class WorkerGroup:
+    """Ranks 1..size-1 as child processes, and this process as rank 0 of their group."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.size = size
+        self.device = device
+        threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else torch.get_num_threads()
+        torch.set_num_threads(threads)  # this rank's share too: the ranks run their forwards at the same time
+        port = _free_port()
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(size),
+               THREADS_ENV: str(threads), PARENT_ENV: str(os.getpid()),
+               "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self._processes: list[subprocess.Popen[bytes]] = []
+        self._stepping = False  # the workers wait for steps (and so for the stop) once they have a RunnerSpec
+        for rank in range(1, size):
+            rank_device = _rank_device(device, rank)
+            command = [sys.executable, "-c", f"{WORKER_MARKER}; main()"]
+            self._processes.append(subprocess.Popen(
+                command, env={**env, "RANK": str(rank), DEVICE_ENV: str(rank_device)}))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        try:
+            self.tp: TensorParallel = join_group(0, size, device)
+        except BaseException:
+            self._kill()
+            raise
+
+    def send(self, item: Any) -> None:
+        """Hand every worker one object (the load spec, then the runner spec)."""
+        dist.broadcast_object_list([item], src=0)
+        self._stepping = isinstance(item, RunnerSpec)
+
+    def death(self, wait_s: float = 2.0) -> str | None:
+        """How a worker ended, if one has (waiting briefly: its connection closes before it is reaped)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, process in enumerate(self._processes, start=1):
+                code = process.poll()
+                if code is not None:
+                    return f"tensor-parallel worker rank {rank} (pid {process.pid}) {_exit_cause(code)}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def check(self, error: BaseException) -> None:
+        """Raise :class:`WorkerDied` naming the rank if ``error`` came from a worker that died."""
+        cause = self.death()
+        if cause is not None:
+            raise WorkerDied(f"{cause}; the engine restarts with fresh workers") from error
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the workers (politely, then by force) and leave the group.
+
+        Only workers in their step loop are told to stop: one still loading waits in another collective,
+        which a stop broadcast would not match (Ctrl-C during a load), so it is killed instead."""
+        if self._stepping and all(process.poll() is None for process in self._processes):
+            try:
+                broadcast_stop(self.device)
+            except Exception:  # a worker is already gone: the others are killed below
+                log.warning("could not tell the tensor-parallel workers to stop; killing them")
+        deadline = time.monotonic() + timeout_s
+        for process in self._processes:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill()
+        leave_group()
+
+    def pids(self) -> list[int]:
+        return [process.pid for process in self._processes]
+
+    def _kill(self) -> None:
+        for process in self._processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def check_size(size: int, device: torch.device, model_dir: str) -> None:
+    """``ValueError`` naming tensor_parallel_size when the model cannot be split that way or this machine
+    cannot place that many ranks: checked before any worker starts."""
+    shard_layout(model_shape(AutoConfig.from_pretrained(model_dir)), 0, size)
+    if device.type == "cuda":
+        first = device.index or 0
+        available = torch.cuda.device_count()
+        if first + size > available:
+            raise ValueError(f"engine argument tensor_parallel_size={size} is invalid: it needs {size} CUDA devices "
+                             f"from {device}, and this machine has {available}")
+
+
+def _rank_device(device: torch.device, rank: int) -> torch.device:
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _exit_cause(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

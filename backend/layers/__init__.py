@@ -1,0 +1,1 @@
+"""Model building blocks: linears (packed, quantized, FP8), norms and rotary, vocabulary-parallel layers, MoE."""

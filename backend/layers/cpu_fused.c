@@ -1,0 +1,82 @@
+/* The float32 elementwise steps of a Llama-family layer, fused, for the CPU.
+ *
+ * Built on first use by pagedllm/models/cpu_fused_ops.py and called through ctypes. In torch
+ * each of these is 3-8 separate ops, each a dispatch and a pass over memory; here each is one
+ * call and one pass. Compiled with -ffp-contract=off, so that a product and a sum round as
+ * torch's separate multiply and add do: the rotary below gives torch's bits exactly. The norm's
+ * sum of squares and SiLU's exp are not bit-equal to torch's (another summation order, another
+ * exp), a float32 rounding apart.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "../platform/exp_nonpositive.h"
+
+/* Work below this many elements runs on one thread: waking a team costs more than it saves. */
+#define PARALLEL_MIN 65536
+
+/* RMSNorm, as transformers computes it in float32: out = weight * (h * 1/sqrt(mean(h^2) + eps)).
+ * With a residual, h = residual + x is written back to the residual first (the layer's skip
+ * connection); without one, h = x. Every array is dense, [rows, width]. */
+void pagedllm_rms_norm_f32(const float* x, float* residual, const float* weight, float* out, int64_t rows,
+                           int64_t width, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * width >= PARALLEL_MIN) schedule(static)
+    for (int64_t row = 0; row < rows; ++row) {
+        const float* h = x + row * width;
+        if (residual) {
+            float* skip = residual + row * width;
+#pragma omp simd
+            for (int64_t i = 0; i < width; ++i) skip[i] = skip[i] + h[i];
+            h = skip;
+        }
+        float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < width; ++i) squares += h[i] * h[i];
+        const float inverse = 1.0f / sqrtf(squares / (float)width + eps);
+        float* o = out + row * width;
+#pragma omp simd
+        for (int64_t i = 0; i < width; ++i) o[i] = weight[i] * (h[i] * inverse);
+    }
+}
+
+/* Rotary embedding in place, rotate_half style: x = x * cos + rotate_half(x) * sin, where
+ * rotate_half(x) = (-x2, x1) for the halves x1, x2. Each row holds `heads` heads of head_dim
+ * one after another from its start (a fused qkv row's q heads, then its k heads); rows are
+ * row_stride apart. cos and sin are [rows, head_dim], dense. */
+void pagedllm_rotary_f32(float* x, int64_t row_stride, const float* cos, const float* sin, int64_t rows,
+                         int64_t heads, int64_t head_dim, int threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(threads) if (rows * heads * head_dim >= PARALLEL_MIN) schedule(static)
+    for (int64_t row = 0; row < rows; ++row) {
+        const float* c = cos + row * head_dim;
+        const float* s = sin + row * head_dim;
+        for (int64_t head = 0; head < heads; ++head) {
+            float* first = x + row * row_stride + head * head_dim;
+            float* second = first + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; ++i) {
+                const float x1 = first[i], x2 = second[i];
+                first[i] = x1 * c[i] + (-x2) * s[i];
+                second[i] = x2 * c[half + i] + x1 * s[half + i];
+            }
+        }
+    }
+}
+
+/* out = silu(gate) * up for rows of [gate | up], each half `width` wide; out is [rows, width]. */
+void pagedllm_silu_mul_f32(const float* gate_up, float* out, int64_t rows, int64_t width, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * width >= PARALLEL_MIN) schedule(static)
+    for (int64_t row = 0; row < rows; ++row) {
+        const float* gate = gate_up + row * 2 * width;
+        const float* up = gate + width;
+        float* o = out + row * width;
+#pragma omp simd
+        for (int64_t i = 0; i < width; ++i) {
+            const float g = gate[i];
+            /* sigmoid(g) from exp(-|g|), which cannot overflow. */
+            const float e = exp_nonpositive(g < 0.0f ? g : -g);
+            const float sigmoid = g < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e);
+            o[i] = (g * sigmoid) * up[i];
+        }
+    }
+}

@@ -1,0 +1,164 @@
+"""Float32 linears on the CPU with weights packed once at load time.
+
+``F.linear`` (MKL sgemm) re-lays out the weight on every call and is slow for
+the few rows a decode step has once most requests of a batch are done. Packing
+the weight once for the GEMM library removes that work:
+
+- ``mkl-packed`` (the default): MKL's packed GEMM (``cblas_sgemm_pack`` /
+  ``cblas_sgemm_compute``), called through ctypes from the MKL that torch's own
+  library exports. On the benchmark models' shapes, 1 thread, it is 1.0-1.65x
+  faster than oneDNN's packed linear at 1-32 rows and within 0.9-1.1x of it at
+  2048 rows; against ``F.linear`` it is 1.0-2.3x faster at 4-32 rows of the
+  wider shapes, slower at 1-8 rows of the narrowest. Source: ``pagedllm bench
+  kernels --device cpu`` (docs/results/kernels-cpu.md); small long-tail end to
+  end 21.1-21.3 -> 20.2-20.4 s against oneDNN. The call releases the GIL.
+- ``onednn``: torch's ``mkldnn._linear_pointwise`` on a oneDNN-packed weight,
+  the packing vLLM's CPU backend uses; each call costs ~15 us more in ideep's
+  per-call setup. Also the fallback where torch was built without MKL.
+- ``mkl``: plain ``F.linear``.
+
+Packed results differ from ``F.linear`` by float32 rounding (<= 1.2e-6
+relative on those shapes): the sums run in another order. The engine already feeds
+MKL different row counts than transformers does, so bit equality was never
+given; the token-exact tests, which allow exact top-two ties only, pass.
+``PAGEDLLM_CPU_LINEAR`` picks one of the three.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pagedllm.platform.cpu_memory import advise_huge_pages
+
+logger = logging.getLogger(__name__)
+
+SWITCH_ENV = "PAGEDLLM_CPU_LINEAR"
+CHOICES = ("mkl-packed", "onednn", "mkl")  # the first is the default; "mkl" is plain F.linear
+
+# CBLAS enum values (mkl_cblas.h).
+_ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
+# The row count MKL is told to pack for; it picks the packed layout, not a limit. Packed for 32 rows,
+# prefill-sized products ran ~10% slower; for 256 they run as fast as for 2048 and so do 8-32 rows.
+_PACK_ROWS = 256
+
+
+class PackedLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` packed for a CPU GEMM library; float32 on the CPU only."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        # Not a parameter: a packed weight has no strides to save or load.
+        self.bias = None if bias is None else bias.detach().contiguous()
+
+    def unpacked_weight(self) -> torch.Tensor:
+        """``W`` as [out, in], recovered exactly: every output of ``I W^T`` is one product by 1."""
+        return self._product(torch.eye(self.in_features)).T.contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._product(x)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class MklPackedLinear(PackedLinear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, bias)
+        gemm = _mkl()
+        if gemm is None:
+            raise RuntimeError("this torch build exports no MKL packed GEMM (cblas_sgemm_pack)")
+        self._gemm = gemm
+        weight = weight.detach().contiguous()
+        n, k = weight.shape
+        size = gemm.cblas_sgemm_pack_get_size(_B_MATRIX, _PACK_ROWS, n, k)
+        self.packed = torch.empty(size, dtype=torch.uint8)
+        advise_huge_pages(self.packed)  # before packing writes it: every decode step streams it whole (cpu_memory)
+        gemm.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, _PACK_ROWS, n, k, 1.0, weight.data_ptr(), k,
+                              self.packed.data_ptr())
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"the MKL-packed linear takes float32 CPU input, got {x.dtype} on {x.device}")
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        if rows.shape[0]:
+            self._gemm.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, rows.shape[0], self.out_features,
+                                           self.in_features, rows.data_ptr(), self.in_features,
+                                           self.packed.data_ptr(), self.out_features, 0.0, out.data_ptr(),
+                                           self.out_features)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class OneDnnLinear(PackedLinear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, bias)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+def packed_linear_choice(dtype: torch.dtype, device: torch.device) -> str | None:
+    """The packed library float32 CPU linears use here, or ``None`` for plain ``F.linear``.
+
+    ``ValueError`` for an unknown ``PAGEDLLM_CPU_LINEAR``.
+    """
+    choice = os.environ.get(SWITCH_ENV) or CHOICES[0]
+    if choice not in CHOICES:
+        raise ValueError(f"{SWITCH_ENV}={choice!r} is invalid: expected one of {', '.join(CHOICES)}")
+    if device.type != "cpu" or dtype != torch.float32 or choice == "mkl":
+        return None
+    onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    if choice == "mkl-packed" and _mkl() is None:
+        logger.warning("torch exports no MKL packed GEMM here: float32 CPU linears use %s",
+                       "oneDNN" if onednn else "F.linear")
+        choice = "onednn"
+    return choice if choice == "mkl-packed" or onednn else None
+
+
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, choice: str) -> PackedLinear:
+    """``weight`` (and ``bias``) packed for ``choice``, one of :func:`packed_linear_choice`'s answers."""
+    return MklPackedLinear(weight, bias) if choice == "mkl-packed" else OneDnnLinear(weight, bias)
+
+
+def pack_linears(model: nn.Module, choice: str) -> None:
+    """Swap every ``nn.Linear`` under ``model`` for a :class:`PackedLinear` of ``choice``.
+
+    The unpacked weights are dropped with their modules, so memory does not double.
+    """
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if isinstance(child, nn.Linear)]
+    for parent, name, child in swaps:
+        setattr(parent, name, packed_linear(child.weight, child.bias, choice))
+
+
+@functools.cache
+def _mkl() -> ctypes.CDLL | None:
+    """MKL's packed GEMM, from the library torch already loaded; ``None`` where torch has no MKL."""
+    if not torch.backends.mkl.is_available():
+        return None
+    library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        mkl = ctypes.CDLL(str(library))
+        mkl.cblas_sgemm_pack_get_size.restype = ctypes.c_size_t
+    except (OSError, AttributeError):
+        return None
+    # MKL's LP64 interface: every MKL_INT is a C int.
+    i, f, p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    mkl.cblas_sgemm_pack_get_size.argtypes = [i, i, i, i]
+    mkl.cblas_sgemm_pack.argtypes = [i, i, i, i, i, i, f, p, i, p]
+    mkl.cblas_sgemm_pack.restype = None
+    mkl.cblas_sgemm_compute.argtypes = [i, i, i, i, i, i, p, i, p, i, f, p, i]
+    mkl.cblas_sgemm_compute.restype = None
+    return mkl
