@@ -150,7 +150,7 @@ def _distributions(llm: Any, texts: list[list[int]]) -> list[torch.Tensor]:
 
 
 def _default_model_case(num_prompts: int, new_tokens: int) -> Case:
-    from pagedllm.engine.llm_engine import DEFAULT_MODEL_DIR
+    from pagedllm.core.model_source import DEFAULT_MODEL_DIR
     from pagedllm.testing.tokenizer_training import python_stdlib_texts
     from transformers import AutoTokenizer
 

@@ -25,13 +25,10 @@ import os
 import queue
 import random
 import statistics
-import subprocess
 import tempfile
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +38,7 @@ from pagedllm_bench.serving_vllm_client import SERVED_NAME, pagedllm_serve_comma
 from pagedllm.engine.core_process import CHILD_MARKER
 from pagedllm.platform.cpu_binding import pin_process
 from pagedllm.engine.latency_trace import TRACE_ENV
-from pagedllm.serving.server import free_port
+from pagedllm.platform.processes import cpu_ticks, free_port
 
 TRITON_MODEL = "llm"  # what `pagedllm serve --model` names the Triton model
 # (from, to, what lies between): the first token's path through each door.
@@ -272,8 +269,7 @@ def _serving_processes(launcher: int) -> dict[str, int]:
 def _cpu_ticks(processes: dict[str, int]) -> dict[str, int]:
     ticks = {}
     for name, pid in processes.items():
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        ticks[name] = int(fields[11]) + int(fields[12])  # utime + stime, all threads
+        ticks[name] = cpu_ticks(pid)
     return ticks
 
 

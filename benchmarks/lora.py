@@ -33,7 +33,7 @@ from pagedllm.testing.lora_adapters import make_random_adapter
 
 TARGET_RATIO = 0.8  # the bar, with 4 adapters
 VLLM_PYTHON = cache_dir().parent / "vllm-cpu-venv" / "bin" / "python"
-VLLM_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "vllm_cpu_lora.py"
+VLLM_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "vllm_cpu_lora.py"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -268,7 +268,7 @@ def _float32_budget_gb(model: str, slots: int, block_size: int) -> float:
     """The bytes of ``slots`` float32 KV slots of the checkpoint, in GiB (kv_cache_memory_gb's unit)."""
     from transformers import AutoConfig
 
-    from pagedllm.planning.kv_math import kv_block_bytes
+    from pagedllm.core.kv_sizing import kv_block_bytes
 
     config = AutoConfig.from_pretrained(model)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -10,6 +10,7 @@ first token).
 """
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from types import TracebackType
 
 import requests
 
-from pagedllm.serving.server import free_port
+from pagedllm.platform.processes import free_port
 
 PASSTHROUGH_CHAT_TEMPLATE = "\n{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
@@ -28,8 +29,9 @@ def _serve(grpc_url: str, model_name: str, model_dir: str, port: int) -> None:
     from pagedllm.serving.openai.app import build_app
     from pagedllm.serving.openai.served_models import ServedModel
 
-    model = ServedModel.load(model_name, model_name, Path(model_dir))
-    model.tokenizer.chat_template = PASSTHROUGH_CHAT_TEMPLATE
+    loaded = ServedModel.load(model_name, model_name, Path(model_dir))
+    model = dataclasses.replace(loaded, tokenizer=dataclasses.replace(loaded.tokenizer,
+                                                                      chat_template=PASSTHROUGH_CHAT_TEMPLATE))
     uvicorn.run(build_app(grpc_url, [model]), host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 

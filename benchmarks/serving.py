@@ -36,7 +36,7 @@ from pagedllm_bench.models import bench_model
 from pagedllm.platform.cpu_binding import pin_process, split_cpus
 
 MODEL_NAME = "llm"
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_PBTXT = REPO_ROOT / "model_repository" / MODEL_NAME / "config.pbtxt"
 LOAD_CLIENT = REPO_ROOT / "client_examples" / "load_client.py"
 OPENAI_LOAD_CLIENT = REPO_ROOT / "client_examples" / "openai_load_client.py"

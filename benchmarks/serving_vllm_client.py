@@ -34,7 +34,7 @@ import requests
 from pagedllm_bench import report
 from pagedllm_bench.models import bench_model
 from pagedllm_bench.vllm_cpu import build_vllm_venv, vllm_env
-from pagedllm.serving.server import free_port
+from pagedllm.platform.processes import free_port
 
 SERVED_NAME = "llm"
 START_TIMEOUT_S = 600.0  # vllm serve compiles its model on a CPU first: minutes on a busy host

@@ -29,7 +29,7 @@ from typing import Any
 
 from pagedllm_bench import report
 from pagedllm_bench.vllm_cpu import SCRIPTS, build_vllm_venv, vllm_env
-from pagedllm.engine.llm_engine import DEFAULT_MODEL_DIR
+from pagedllm.core.model_source import DEFAULT_MODEL_DIR
 from pagedllm.engine.grammar_compiler import GrammarCompiler
 from pagedllm.engine.llm import LLM
 from pagedllm.core.sampling_params import SamplingParams

@@ -25,7 +25,7 @@ from pagedllm_bench.engines import RunResult
 from pagedllm.simulation.workloads import Workload
 
 VLLM = "vllm-cpu"
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 BUILD_SCRIPT = SCRIPTS / "vllm_cpu_bench.sh"
 REPLAY_SCRIPT = SCRIPTS / "vllm_cpu_replay.py"
 VENV_ENV = "VLLM_VENV"

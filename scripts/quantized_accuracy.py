@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedllm import LLM, SamplingParams
 from pagedllm_bench.kv_accuracy import HELD_OUT, FullDistributions
-from pagedllm.engine.llm_engine import DEFAULT_MODEL_DIR
+from pagedllm.core.model_source import DEFAULT_MODEL_DIR
 from pagedllm.layers import fp8_linear
 from pagedllm.testing.quantized_checkpoint import SCHEMES, make_quantized_checkpoint
 from pagedllm.testing.tokenizer_training import python_stdlib_texts

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.request import SequenceStatus
+from pagedllm.core.request import SampleStatus
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_parallel_samples_share_prompt_blocks_copy_on_write(llm: LLM) -> None:
     assert [engine.kv.blocks[b].ref_count for b in full_blocks] == [4, 4]
     while engine.has_unfinished_requests():
         engine.step()
-    assert all(seq.status is SequenceStatus.FINISHED for seq in sequences)
+    assert all(seq.status is SampleStatus.FINISHED for seq in sequences)
     assert llm.stats().num_blocks_free == llm.stats().num_blocks_total
 
 

@@ -16,7 +16,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.core.config import EngineConfig
 from pagedllm.engine.core_process import EngineCoreProcess
 from pagedllm.engine.core_wire import decode_outputs, encode_outputs
-from pagedllm.engine.engine_contract import FailureKind
+from pagedllm.core.errors import FailureKind
 from pagedllm.engine.engine_loop import EngineLoop
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from pagedllm.engine.engine_contract import EngineUnavailable, FailureKind
+from pagedllm.core.errors import EngineUnavailable, FailureKind
 from pagedllm.engine.engine_loop import EngineLoop
 from pagedllm.engine.request_timing import StepTimings
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput

@@ -30,7 +30,8 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 yaml = pytest.importorskip("yaml")
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
-from pagedllm.serving.server import TritonServer, free_port  # noqa: E402
+from pagedllm.platform.processes import free_port  # noqa: E402
+from pagedllm.serving.server import TritonServer  # noqa: E402
 from pagedllm.serving.triton_files import find_triton_files  # noqa: E402
 
 pytestmark = pytest.mark.tritonserver

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from pagedllm.simulation.null_engine import NullEngine
 from pagedllm.core.beam_search import BeamCandidate
-from pagedllm.core.request import Request, SequenceStatus
+from pagedllm.core.request import Request, SampleStatus
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.core.sampling_params import SamplingParams
 
@@ -94,7 +94,7 @@ class Harness:
         assert len(live) in (1, request.params.beam_width)
         statuses = {seq.status for seq in live}
         assert len(statuses) == 1, "a beam group is split between running and waiting"
-        queue = list(self.engine.scheduler.running if statuses == {SequenceStatus.RUNNING}
+        queue = list(self.engine.scheduler.running if statuses == {SampleStatus.RUNNING}
                      else self.engine.scheduler.waiting)
         places = sorted(queue.index(seq) for seq in live)
         assert places == list(range(places[0], places[0] + len(live))), "a beam group is not side by side"

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,10 +9,11 @@ import pytest
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Request, SequenceStatus
+from pagedllm.core.request import Request, SampleStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.stop_policy import StopPolicy
-from pagedllm.lora.adapter import BaseModelShape, load_adapter
+from pagedllm.lora.adapter import load_adapter
+from pagedllm.lora.adapter_files import BaseModelShape
 from pagedllm.lora.slots import AdapterSlots
 from pagedllm.testing.lora_adapters import make_random_adapter
 
@@ -143,7 +143,7 @@ def test_scheduler_skips_a_request_whose_adapter_has_no_slot_without_blocking_ot
             scheduler.finish(seq, "stop")
     out = scheduler.schedule()
     assert "y" in [item.seq.request.request_id for item in out.scheduled]
-    assert blocked.sequences[0].status is SequenceStatus.RUNNING and slots.num_evictions == 1
+    assert blocked.sequences[0].status is SampleStatus.RUNNING and slots.num_evictions == 1
 
 
 def test_named_adapters_keep_their_ids_and_follow_the_file(base: Path, tmp_path: Path) -> None:

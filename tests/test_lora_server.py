@@ -26,7 +26,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from serve_process import follow, kill, wait_ready  # noqa: E402
 from pagedllm import LLM, LoRARequest, SamplingParams  # noqa: E402
-from pagedllm.serving.server import free_port  # noqa: E402
+from pagedllm.platform.processes import free_port  # noqa: E402
 from pagedllm.testing.lora_adapters import make_random_adapter  # noqa: E402
 
 pytestmark = pytest.mark.tritonserver

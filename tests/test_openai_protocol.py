@@ -1,6 +1,7 @@
 """OpenAI request bodies -> sampling parameters, and the 400s that never reach Triton (no server needed)."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -79,8 +80,10 @@ def test_requests_are_503_while_triton_cannot_be_reached(http: TestClient) -> No
 
 
 def test_a_template_that_writes_bos_does_not_get_a_second_one(tiny_model_dir: Callable[[str], Path]) -> None:
-    model = ServedModel.load("bos", "llm", tiny_model_dir("llama"))
-    model.tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"
+    loaded = ServedModel.load("bos", "llm", tiny_model_dir("llama"))
+    template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"
+    model = dataclasses.replace(loaded, tokenizer=dataclasses.replace(loaded.tokenizer, chat_template=template))
     prompt = model.chat_prompt([{"role": "user", "content": "hi"}])
     assert prompt == "[user] hi"
-    assert model.tokenizer(prompt).input_ids.count(model.tokenizer.bos_token_id) == 1
+    bos_id = model.tokenizer.tokenizer.token_to_id(model.tokenizer.bos_token)
+    assert model.tokenizer.encode(prompt).count(bos_id) == 1

@@ -31,7 +31,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase  # noqa: E402
 
 from serve_process import follow, kill, wait_ready  # noqa: E402
 from pagedllm import LLM, SamplingParams  # noqa: E402
-from pagedllm.serving.server import child_pids, free_port  # noqa: E402
+from pagedllm.platform.processes import child_pids, free_port  # noqa: E402
 from pagedllm.testing.hub_cache import add_to_hub_cache  # noqa: E402
 
 pytestmark = pytest.mark.tritonserver

@@ -19,7 +19,8 @@ import pytest
 import requests
 
 from pagedllm.engine.core_process import CHILD_MARKER
-from pagedllm.serving.server import TritonServer, child_pids
+from pagedllm.platform.processes import child_pids
+from pagedllm.serving.server import TritonServer
 from pagedllm.serving.server_placement import TritonServerThreads, forget_server
 
 ALLOWED = frozenset(os.sched_getaffinity(0))

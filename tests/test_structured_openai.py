@@ -34,7 +34,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from serve_process import follow, kill, wait_ready  # noqa: E402
 from pagedllm import LLM, SamplingParams  # noqa: E402
-from pagedllm.serving.server import free_port  # noqa: E402
+from pagedllm.platform.processes import free_port  # noqa: E402
 from pagedllm.testing.hub_cache import add_to_hub_cache  # noqa: E402
 from pagedllm.testing.structured_corpus import ARITHMETIC_EBNF, JSON_SCHEMAS, REGEXES  # noqa: E402
 from test_openai_server import REPO_ID, SERVED_NAME, Serve  # noqa: E402

@@ -32,8 +32,8 @@ pytest.importorskip("tritonclient.grpc")
 from test_triton_server import StreamClient, StreamResult, make_inputs, greedy  # noqa: E402
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
-from pagedllm.serving.server import child_pids, free_port  # noqa: E402
-from pagedllm.serving.supervision import DIR_VARIABLE, FAULT_INJECTION_VARIABLE, SupervisionFolder  # noqa: E402
+from pagedllm.platform.processes import child_pids, free_port  # noqa: E402
+from pagedllm.serving.supervisor_folder import DIR_VARIABLE, FAULT_INJECTION_VARIABLE, SupervisorFolder  # noqa: E402
 
 pytestmark = pytest.mark.tritonserver
 
@@ -46,7 +46,7 @@ ENGINE_ARGS = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "num_k
 class Serve:
     process: subprocess.Popen[str]
     output: list[str]
-    folder: SupervisionFolder
+    folder: SupervisorFolder
     model_json: Path
     grpc_url: str
     http_url: str
@@ -121,7 +121,7 @@ def start_serve(root: Path, model_json: dict[str, object], *args: str) -> Serve:
     )
     output: list[str] = []
     threading.Thread(target=lambda: output.extend(iter(process.stdout.readline, "")), daemon=True).start()
-    running = Serve(process, output, SupervisionFolder(root / "supervision"), version / "model.json",
+    running = Serve(process, output, SupervisorFolder(root / "supervision"), version / "model.json",
                     f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}", f"http://127.0.0.1:{metrics}/metrics",
                     f"http://127.0.0.1:{health}/health")
     deadline = time.monotonic() + 300

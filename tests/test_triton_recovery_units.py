@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from pagedllm.serving.server import BackendStub, ExitStatus, exit_status
-from pagedllm.serving.supervision import InjectedEngineDeath, SupervisionFolder
+from pagedllm.serving.supervisor_folder import InjectedEngineDeath, SupervisorFolder
 from pagedllm.serving.supervisor import Supervisor, SupervisorGaveUp
 
 
 def test_restart_counts_and_deaths_go_through_the_folder(tmp_path: Path) -> None:
-    folder = SupervisionFolder(tmp_path)
+    folder = SupervisorFolder(tmp_path)
     assert folder.restarts("llm") == 0
     folder.set_restarts("llm", 2)
     assert folder.restarts("llm") == 2 and folder.restarts("other") == 0
@@ -25,15 +25,15 @@ def test_restart_counts_and_deaths_go_through_the_folder(tmp_path: Path) -> None
 
 
 def test_the_environment_names_the_folder_and_switches_fault_injection(tmp_path: Path) -> None:
-    assert SupervisionFolder.from_environment({}) is None
-    plain = SupervisionFolder.from_environment({"PAGEDLLM_SUPERVISOR_DIR": str(tmp_path)})
-    assert plain == SupervisionFolder(tmp_path, fault_injection=False)
+    assert SupervisorFolder.from_environment({}) is None
+    plain = SupervisorFolder.from_environment({"PAGEDLLM_SUPERVISOR_DIR": str(tmp_path)})
+    assert plain == SupervisorFolder(tmp_path, fault_injection=False)
     step = lambda: ["output"]  # noqa: E731
     assert plain.with_fault_hook("llm", step) is step  # no hook at all in production
 
 
 def test_the_fault_hook_kills_exactly_one_step_when_asked(tmp_path: Path) -> None:
-    folder = SupervisionFolder(tmp_path, fault_injection=True)
+    folder = SupervisorFolder(tmp_path, fault_injection=True)
     step = folder.with_fault_hook("llm", lambda: ["output"])
     assert step() == ["output"]
     folder.request_engine_death("llm")
@@ -98,7 +98,7 @@ class FlakyServer(DeadServer):
 
 def test_an_engine_that_dies_right_after_each_restart_is_a_crash_loop(tmp_path: Path) -> None:
     server = FlakyServer()
-    folder = SupervisionFolder(tmp_path)
+    folder = SupervisorFolder(tmp_path)
     reports: list[str] = []
     supervisor = Supervisor(server, tmp_path, max_reloads=2, crash_loop_s=60, report=reports.append)  # type: ignore[arg-type]
     supervisor._reload = lambda model, cause: supervisor._restart_server(model, cause)  # type: ignore[method-assign]
@@ -113,7 +113,7 @@ def test_an_engine_that_dies_right_after_each_restart_is_a_crash_loop(tmp_path: 
 
 def test_a_restart_that_outlives_its_probation_clears_the_failures(tmp_path: Path) -> None:
     server = FlakyServer()
-    folder = SupervisionFolder(tmp_path)
+    folder = SupervisorFolder(tmp_path)
     supervisor = Supervisor(server, tmp_path, max_reloads=2, crash_loop_s=0.0, report=lambda _: None)  # type: ignore[arg-type]
     supervisor._reload = lambda model, cause: supervisor._restart_server(model, cause)  # type: ignore[method-assign]
     for _ in range(5):  # each death comes after the (zero-length) probation: never a crash loop

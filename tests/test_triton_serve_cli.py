@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.serving.server import free_port
+from pagedllm.platform.processes import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.serving.server import free_port
+from pagedllm.platform.processes import free_port
 
 pytest.importorskip("tritonclient.grpc")
 from test_triton_server import StreamClient, make_inputs  # noqa: E402

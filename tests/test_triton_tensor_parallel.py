@@ -32,7 +32,7 @@ from test_triton_server import StreamClient, greedy, make_inputs  # noqa: E402
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.engine.core_process import CHILD_MARKER  # noqa: E402
 from pagedllm.executor.workers import WORKER_MARKER  # noqa: E402
-from pagedllm.serving.server import child_pids, free_port  # noqa: E402
+from pagedllm.platform.processes import child_pids, free_port  # noqa: E402
 
 pytestmark = pytest.mark.tritonserver
 

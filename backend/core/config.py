@@ -6,11 +6,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from pagedllm.platform.cpu_binding import check_setting
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "float16", "bfloat16")
 _ATTENTION_BACKENDS = ("auto", "triton", "torch", "torch-reference")
 _SCHEDULING = ("continuous", "static")
 # KV cache storage: "auto" keeps the model's dtype; the fp8 formats store scaled 8-bit values (pagedllm.attention.kv_quant).
@@ -66,7 +64,7 @@ class EngineConfig:
     max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
-        _require(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", self.dtype, f"one of auto, {', '.join(_DTYPES)}")
+        _require(self.dtype == "auto" or self.dtype in DTYPES, "dtype", self.dtype, f"one of auto, {', '.join(DTYPES)}")
         _require(self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device", self.device, "auto, cpu or cuda[:N]")
         _require(1 <= self.block_size <= 256 and self.block_size & (self.block_size - 1) == 0,
                  "block_size", self.block_size, "a power of two in [1, 256]")
@@ -117,19 +115,6 @@ class EngineConfig:
             return cls(**values)
         except TypeError as error:
             raise ValueError(f"invalid engine arguments: {error}") from error
-
-    def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
-
-    def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
-        """``auto`` is float32 on CPU and the checkpoint's dtype (else bfloat16) on GPU."""
-        if self.dtype != "auto":
-            return _DTYPES[self.dtype]
-        if self.torch_device().type == "cpu":
-            return torch.float32
-        return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
 def _positive_int(value: object) -> bool:

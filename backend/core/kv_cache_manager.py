@@ -12,7 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from pagedllm.core.block_hash import BlockKey, block_key
-from pagedllm.core.request import Sequence
+from pagedllm.core.request import Sample
 
 
 @dataclass(eq=False, slots=True)
@@ -68,7 +68,7 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def match_prefix(self, seq: Sequence) -> PrefixMatch:
+    def match_prefix(self, seq: Sample) -> PrefixMatch:
         """Longest run of cached full blocks equal to ``seq``'s leading tokens.
 
         The last token is never matched: its logits must be computed to sample.
@@ -93,7 +93,7 @@ class KVCacheManager:
             hashes.append(key)
         return PrefixMatch(tuple(blocks), tuple(hashes))
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, match: PrefixMatch = NO_MATCH) -> bool:
+    def allocate(self, seq: Sample, num_new_tokens: int, match: PrefixMatch = NO_MATCH) -> bool:
         """Give ``seq`` the blocks to hold ``num_new_tokens`` more computed tokens.
 
         Adopts ``match`` (a fresh sequence's cached prefix) first. All or nothing:
@@ -130,7 +130,7 @@ class KVCacheManager:
         self.peak_blocks_used = max(self.peak_blocks_used, self.num_used_blocks)
         return True
 
-    def fork(self, parent: Sequence, child: Sequence, num_blocks: int | None = None) -> None:
+    def fork(self, parent: Sample, child: Sample, num_blocks: int | None = None) -> None:
         """Let ``child`` share every block of ``parent`` (or only its first ``num_blocks`` full, computed
         ones); writes will copy on demand."""
         shared = parent.block_ids if num_blocks is None else parent.block_ids[:num_blocks]
@@ -140,7 +140,7 @@ class KVCacheManager:
         for block_id in shared:
             self.blocks[block_id].ref_count += 1
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: Sample) -> None:
         """Drop ``seq``'s references; tail blocks first so they are evicted first."""
         for block_id in reversed(seq.block_ids):
             block = self.blocks[block_id]
@@ -152,7 +152,7 @@ class KVCacheManager:
         seq.block_ids = []
         seq.block_hashes = []
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
+    def cache_full_blocks(self, seq: Sample) -> None:
         """Publish the content hash of every block of ``seq`` that is now full and computed."""
         num_full = seq.num_computed_tokens // self.block_size
         if not self.enable_prefix_caching or num_full <= len(seq.block_hashes):  # most steps fill no block
@@ -198,7 +198,7 @@ class KVCacheManager:
         block.ref_count = 1
         return block
 
-    def _copy_on_write(self, seq: Sequence, index: int) -> None:
+    def _copy_on_write(self, seq: Sample, index: int) -> None:
         shared = self.blocks[seq.block_ids[index]]
         shared.ref_count -= 1
         private = self._take_free()

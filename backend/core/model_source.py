@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# The small model embedded in the package, served when no model is named.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "default_model"
+
 CHECKPOINT_FILES = (
     "*.safetensors",
     "*.safetensors.index.json",

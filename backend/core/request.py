@@ -17,7 +17,7 @@ from pagedllm.core.sampling_params import SamplingParams
 _seq_ids = itertools.count()
 
 
-class SequenceStatus(enum.Enum):
+class SampleStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -25,11 +25,11 @@ class SequenceStatus(enum.Enum):
 
 # Looking a member up on its enum class costs ~0.15 µs in Python 3.11; these checks run for every
 # sequence several times a step.
-_FINISHED = SequenceStatus.FINISHED
+_FINISHED = SampleStatus.FINISHED
 
 
 @dataclass(eq=False, slots=True)
-class Sequence:
+class Sample:
     """One sample's token stream: the unit the scheduler batches and the KV cache stores.
 
     There is no prefill or decode phase: each step computes some of the tokens in
@@ -45,7 +45,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained keys of its full, computed blocks
-    status: SequenceStatus = SequenceStatus.WAITING
+    status: SampleStatus = SampleStatus.WAITING
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
 
@@ -89,11 +89,11 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # The LoRA adapter it runs through (its lora_int_id); 0 is the base model. Part of its KV blocks' keys.
     lora_int_id: int = 0
-    sequences: list[Sequence] = field(default_factory=list)  # beams: every beam ever forked, dead ones too
+    sequences: list[Sample] = field(default_factory=list)  # beams: every beam ever forked, dead ones too
     # Beam search only: its state (set by the scheduler when the request is added), and the live
     # beams in the order of ``beam_search.scores``, best first; they run side by side.
     beam_search: BeamSearch | None = None
-    beams: list[Sequence] = field(default_factory=list)
+    beams: list[Sample] = field(default_factory=list)
 
     @property
     def fan_out(self) -> int:
@@ -110,8 +110,9 @@ class Request:
                 return False
         return True
 
-    def spawn(self, token_ids: list[int]) -> Sequence:
+    def spawn(self, token_ids: list[int]) -> Sample:
         """A new sample of this request: the first holds the prompt, forks copy their parent's tokens."""
-        seq = Sequence(next(_seq_ids), self, len(self.sequences), token_ids, len(self.prompt_token_ids))
+        seq = Sample(seq_id=next(_seq_ids), request=self, index=len(self.sequences), token_ids=token_ids,
+                     num_prompt_tokens=len(self.prompt_token_ids))
         self.sequences.append(seq)
         return seq

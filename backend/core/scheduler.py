@@ -33,14 +33,14 @@ from dataclasses import dataclass
 from pagedllm.core.beam_search import (BeamCandidate, BeamSearch, beam_chunks, shared_full_blocks,
                                        survivor_parents)
 from pagedllm.core.kv_cache_manager import NO_MATCH, KVCacheManager
-from pagedllm.core.request import Request, Sequence, SequenceStatus
+from pagedllm.core.request import Request, Sample, SampleStatus
 from pagedllm.core.stop_policy import StopPolicy
 
 
 # Not frozen, like the other records built per sequence per step: a frozen __init__ costs several times more.
 @dataclass(slots=True)
 class ScheduledSequence:
-    seq: Sequence
+    seq: Sample
     num_tokens: int  # tokens computed for it this step
 
     @property
@@ -55,7 +55,7 @@ class BeamBatch:
     """A beam group that samples this step: its live beams, best first, and their logits rows."""
 
     request: Request
-    beams: tuple[Sequence, ...]
+    beams: tuple[Sample, ...]
     logit_rows: tuple[int, ...]  # index of each beam's row among the scheduled sequences that complete
 
 
@@ -63,13 +63,13 @@ class BeamBatch:
 class SchedulerOutput:
     scheduled: tuple[ScheduledSequence, ...]
     block_copies: tuple[tuple[int, int], ...]  # copy-on-write (source, destination) before any write
-    preempted: tuple[Sequence, ...]
+    preempted: tuple[Sample, ...]
     # One sampler row per entry: the scheduled sequences that reach their last token, each
     # followed by the siblings it forks this step (``n > 1``), which read the same logits.
-    samples: tuple[Sequence, ...] = ()
+    samples: tuple[Sample, ...] = ()
     # For each sample, the index of its logits row among the scheduled sequences that complete.
     sample_logit_rows: tuple[int, ...] = ()
-    forked: tuple[Sequence, ...] = ()  # sequences created this step
+    forked: tuple[Sample, ...] = ()  # sequences created this step
     # Sequences that finished since the previous step: the worker drops their persistent state.
     finished_seq_ids: tuple[int, ...] = ()
     beams: tuple[BeamBatch, ...] = ()  # beam groups: not in ``samples``, they take candidates instead
@@ -89,7 +89,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         stop_policy: StopPolicy,
         static_batching: bool = False,
-        adapter_gate: Callable[[Request, Seq[Sequence]], bool] | None = None,
+        adapter_gate: Callable[[Request, Seq[Sample]], bool] | None = None,
     ) -> None:
         self.kv = kv
         # Multi-LoRA: whether a waiting request's adapter holds (or can be given) a device slot this step, given
@@ -101,8 +101,8 @@ class Scheduler:
         # Static batching admits a new batch only once the previous one has fully finished:
         # the baseline that continuous batching is measured against.
         self.static_batching = static_batching
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[Sample] = deque()
+        self.running: list[Sample] = []
         self.num_preemptions = 0
         self._static_batch_formed = False
         # Slots promised to the siblings that running ``n > 1`` sequences will fork, so
@@ -110,7 +110,7 @@ class Scheduler:
         self._reserved_forks = 0
         self._finished_seq_ids: list[int] = []
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sample) -> None:
         request = seq.request
         if request.params.use_beam_search and request.beam_search is None:
             params = request.params
@@ -122,16 +122,16 @@ class Scheduler:
             request.beams = [seq]
         self.waiting.append(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sample, reason: str) -> None:
         """End ``seq`` (stop, length, abort, error) and release its blocks."""
         if seq.is_finished:
             return
-        if seq.status is SequenceStatus.RUNNING:
+        if seq.status is SampleStatus.RUNNING:
             self.running.remove(seq)
             self._reserved_forks -= seq.pending_forks
         else:
             self.waiting.remove(seq)
-        seq.status = SequenceStatus.FINISHED
+        seq.status = SampleStatus.FINISHED
         seq.finish_reason = reason
         self.kv.free(seq)
         self._finished_seq_ids.append(seq.seq_id)
@@ -142,7 +142,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
-        preempted: list[Sequence] = []
+        preempted: list[Sample] = []
 
         allocate = self.kv.allocate  # bound once: the loop below runs for every running sequence
         index = 0
@@ -172,7 +172,7 @@ class Scheduler:
         return self._with_samples(tuple(scheduled), tuple(preempted))
 
     def update_from_output(self, out: SchedulerOutput, sampled_token_ids: Seq[int],
-                           beam_candidates: Seq[Seq[BeamCandidate]] = ()) -> list[Sequence]:
+                           beam_candidates: Seq[Seq[BeamCandidate]] = ()) -> list[Sample]:
         """Apply a step's results; returns the sequences that finished at a token-level stop
         (and the last beams of the beam searches that ended).
 
@@ -190,7 +190,7 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += item.num_tokens
             cache_full_blocks(seq)
-        finished: list[Sequence] = []
+        finished: list[Sample] = []
         for seq, token_id in zip(out.samples, sampled_token_ids):
             if seq.is_finished:
                 continue
@@ -199,7 +199,7 @@ class Scheduler:
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
-        places: dict[Sequence, tuple[Sequence, ...]] = {}
+        places: dict[Sample, tuple[Sample, ...]] = {}
         for batch, candidates in zip(out.beams, beam_candidates):
             finished.extend(self._step_beams(batch, candidates, places))
         if places:
@@ -207,12 +207,12 @@ class Scheduler:
             self.running[:] = [placed for seq in self.running for placed in places.get(seq, (seq,))]
         return finished
 
-    def _with_samples(self, scheduled: tuple[ScheduledSequence, ...], preempted: tuple[Sequence, ...]) -> SchedulerOutput:
+    def _with_samples(self, scheduled: tuple[ScheduledSequence, ...], preempted: tuple[Sample, ...]) -> SchedulerOutput:
         """Fork the siblings of requests sampling their first token; list every sampler row."""
-        samples: list[Sequence] = []
+        samples: list[Sample] = []
         rows: list[int] = []
-        forked: list[Sequence] = []
-        beam_rows: dict[Request, dict[Sequence, int]] = {}
+        forked: list[Sample] = []
+        beam_rows: dict[Request, dict[Sample, int]] = {}
         completing = [index for index, item in enumerate(scheduled) if item.completes_prefill]
         for row, index in enumerate(completing):
             item = scheduled[index]
@@ -227,7 +227,7 @@ class Scheduler:
                 self.kv.fork(parent, child)
                 # The child shares the blocks this step writes for the parent.
                 child.num_computed_tokens = parent.num_computed_tokens + item.num_tokens
-                child.status = SequenceStatus.RUNNING
+                child.status = SampleStatus.RUNNING
                 self.running.append(child)
                 self._reserved_forks -= 1
                 samples.append(child)
@@ -236,14 +236,16 @@ class Scheduler:
         finished, self._finished_seq_ids = tuple(self._finished_seq_ids), []
         beams = tuple(BeamBatch(request, tuple(request.beams), tuple(rows_of[beam] for beam in request.beams))
                       for request, rows_of in beam_rows.items())
-        return SchedulerOutput(scheduled, tuple(self.kv.take_pending_copies()), preempted,
-                               tuple(samples), tuple(rows), tuple(forked), finished, beams, tuple(completing))
+        return SchedulerOutput(scheduled=scheduled, block_copies=tuple(self.kv.take_pending_copies()),
+                               preempted=preempted, samples=tuple(samples), sample_logit_rows=tuple(rows),
+                               forked=tuple(forked), finished_seq_ids=finished, beams=beams,
+                               completing=tuple(completing))
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> None:
         # A static batch, once formed, admits nobody until all of it has finished; it
         # keeps forming across steps while only the token budget holds it back.
         self._static_batch_formed = True
-        skipped: list[Sequence] = []  # waiting for an adapter slot: they keep their places in the queue
+        skipped: list[Sample] = []  # waiting for an adapter slot: they keep their places in the queue
         while self.waiting:
             if budget == 0:
                 self._static_batch_formed = False
@@ -268,7 +270,7 @@ class Scheduler:
             if not self.kv.allocate(seq, num_tokens, match):
                 break
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
+            seq.status = SampleStatus.RUNNING
             self.running.append(seq)
             self._reserved_forks += forks
             scheduled.append(ScheduledSequence(seq, num_tokens))
@@ -276,7 +278,7 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
     def _schedule_beams(self, index: int, budget: int, scheduled: list[ScheduledSequence],
-                        preempted: list[Sequence]) -> tuple[int, int]:
+                        preempted: list[Sample]) -> tuple[int, int]:
         """Schedule the beam group at ``running[index]`` as one unit; returns (tokens used, places to advance)."""
         request = self.running[index].request
         group = self.running[index : index + len(request.beams)]
@@ -323,13 +325,13 @@ class Scheduler:
         if set(admitted) != set(group):
             raise RuntimeError(f"the beams of request {request.request_id} are not together in the queue")
         for beam in admitted:
-            beam.status = SequenceStatus.RUNNING
+            beam.status = SampleStatus.RUNNING
         self.running.extend(admitted)
         self._reserved_forks += forks
         scheduled.extend(ScheduledSequence(beam, n) for beam, n in zip(group, chunks) if n)
         return sum(chunks)
 
-    def _join_leader(self, request: Request, beam: Sequence) -> bool:
+    def _join_leader(self, request: Request, beam: Sample) -> bool:
         """After a preemption, ``beam`` (holding no blocks) shares the full blocks its group's best beam
         has computed for their common prefix instead of computing them again. False while the leader
         has not computed that far: ``beam`` waits, so a group never needs more blocks than before."""
@@ -343,7 +345,7 @@ class Scheduler:
         return True
 
     def _step_beams(self, batch: BeamBatch, candidates: Seq[BeamCandidate],
-                    places: dict[Sequence, tuple[Sequence, ...]]) -> list[Sequence]:
+                    places: dict[Sample, tuple[Sample, ...]]) -> list[Sample]:
         """Apply one beam search step; returns the group's beams if the search ended."""
         request = batch.request
         beams = request.beams
@@ -356,7 +358,7 @@ class Scheduler:
                 self.finish(beam, "stop")
             return list(beams)
         continuing, forks = survivor_parents(step.survivors)
-        ranked: list[Sequence] = [beams[0]] * len(step.survivors)
+        ranked: list[Sample] = [beams[0]] * len(step.survivors)
         for parent, rank in continuing.items():
             ranked[rank] = beams[parent]
         children = []
@@ -364,7 +366,7 @@ class Scheduler:
             parent = beams[step.survivors[rank].beam]
             child = request.spawn(list(parent.token_ids))
             self.kv.fork(parent, child)
-            child.status = SequenceStatus.RUNNING
+            child.status = SampleStatus.RUNNING
             ranked[rank] = child
             children.append(child)
         dead = [beam for index, beam in enumerate(beams) if index not in continuing]
@@ -381,13 +383,13 @@ class Scheduler:
         request.beams = ranked
         return []
 
-    def _drop_beam(self, seq: Sequence) -> None:
+    def _drop_beam(self, seq: Sample) -> None:
         """A beam no survivor extends: its blocks go back now; a fork takes its place in ``running``."""
-        seq.status = SequenceStatus.FINISHED
+        seq.status = SampleStatus.FINISHED
         self.kv.free(seq)
         self._finished_seq_ids.append(seq.seq_id)
 
-    def _preempt_last(self) -> list[Sequence]:
+    def _preempt_last(self) -> list[Sample]:
         """Preempt the newest running unit: one sequence, or a whole beam group (its beams end the list)."""
         last = self.running[-1]
         size = len(last.request.beams) if last.request.beam_search is not None else 1
@@ -399,10 +401,10 @@ class Scheduler:
             self._preempt(victim)
         return victims
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sample) -> None:
         self._reserved_forks -= seq.pending_forks
         self.kv.free(seq)
         seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
+        seq.status = SampleStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

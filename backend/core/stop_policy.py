@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.core.request import Sequence
+from pagedllm.core.request import Sample
 from pagedllm.core.sampling_params import SamplingParams
 
 
@@ -18,7 +18,7 @@ class StopPolicy:
     max_model_len: int
     eos_token_ids: frozenset[int] = frozenset()
 
-    def finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+    def finish_reason(self, seq: Sample, token_id: int) -> str | None:
         """Why ``seq`` ends now that ``token_id`` was appended to it, if it does."""
         params = seq.request.params
         num_tokens = len(seq.token_ids)  # not the properties: this runs for every sampled token

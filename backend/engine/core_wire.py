@@ -30,7 +30,7 @@ def decode_outputs(rows: Sequence[OutputRow],
     outputs = []
     for request_id, deltas, finished, error, prompt_logprobs, invalid_input in rows:
         prompt, prompt_token_ids = prompts.get(request_id, (None, ()))
-        outputs.append(RequestOutput(request_id, prompt, prompt_token_ids,
-                                     tuple(CompletionDelta(*delta) for delta in deltas), finished, error,
-                                     prompt_logprobs, invalid_input))
+        outputs.append(RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
+                                     outputs=tuple(CompletionDelta(*delta) for delta in deltas), finished=finished,
+                                     error=error, prompt_logprobs=prompt_logprobs, invalid_input=invalid_input))
     return outputs

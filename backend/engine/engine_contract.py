@@ -6,32 +6,13 @@ process) and the tests' fakes all follow ``EngineLike``; servers read
 """
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.request_timing import StepTimings
+from pagedllm.core.errors import FailureKind
 from pagedllm.core.sampling_params import SamplingParams
-
-
-class FailureKind(enum.Enum):
-    """Why a request ended without finishing, for ``on_error``."""
-
-    REQUEST = "request"  # the engine ended this request alone because it faulted
-    INVALID = "invalid"  # the engine ended this request alone because its input cannot be served
-    ENGINE = "engine"  # a step failed and the fault could not be pinned on one request
-    UNAVAILABLE = "unavailable"  # the loop stopped or died
-    TIMEOUT = "timeout"  # the request's sampling_parameters.timeout passed
-
-
-class EngineUnavailable(RuntimeError):
-    """The loop is not serving (stopped or dead); the message says why."""
-
-
-class EngineBroken(RuntimeError):
-    """The engine can never step again (a tensor-parallel worker died): the loop must die with it, so that
-    the serving layer replaces the engine instead of failing every later step."""
 
 
 # How long a loop whose engine scheduled nothing sleeps before it looks at cancellations again.

@@ -31,20 +31,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from pagedllm.engine.engine_contract import (
-    STALLED_RETRY_S,
-    EngineBroken,
-    EngineLike,
-    EngineUnavailable,
-    FailureKind,
-    Interruptible,
-    IsCancelled,
-    OnDeath,
-    OnError,
-    OnOutput,
-    OnStep,
-    progress,
-)
+from pagedllm.engine.engine_contract import STALLED_RETRY_S, EngineLike, Interruptible, IsCancelled, OnDeath, OnError, OnOutput, OnStep, progress
+from pagedllm.core.errors import EngineBroken, EngineUnavailable, FailureKind
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.engine.request_timing import StepTimings, TimingAccount
 from pagedllm.lora.request import LoRARequest
@@ -390,6 +378,7 @@ class EngineLoop:
 
 
 def _abort_output(tracked: _Tracked) -> RequestOutput:
-    deltas = tuple(CompletionDelta(i, "", (), 0.0, None, "abort") for i in range(tracked.params.n)
+    deltas = tuple(CompletionDelta(index=i, text="", token_ids=(), cumulative_logprob=0.0, logprobs=None,
+                                   finish_reason="abort") for i in range(tracked.params.n)
                    if tracked.timing.finish_reasons.get(i) is None)
-    return RequestOutput(tracked.request_id, None, (), deltas, finished=True)
+    return RequestOutput(request_id=tracked.request_id, prompt=None, prompt_token_ids=(), outputs=deltas, finished=True)

@@ -15,18 +15,18 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.beam_search import BeamCandidate, BeamSearch
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Request, Sequence, SequenceStatus
+from pagedllm.core.request import Request, Sample, SampleStatus
 from pagedllm.core.scheduler import BeamBatch, Scheduler, SchedulerOutput
 from pagedllm.core.stop_policy import StopPolicy
 from pagedllm.engine.admission import AdmissionLimits, check_request, tokenize_prompt
-from pagedllm.executor.device_side import set_up_device_side
+from pagedllm.executor.device_side import engine_device, set_up_device_side
 from pagedllm.platform.gc_tuning import collect_young_less_often
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.engine.structured_outputs import StructuredOutputs
 from pagedllm.engine.prompt_logprobs import PromptLogprobsCollector
 from pagedllm.lora.request import LoRARequest
-from pagedllm.core.model_source import resolve_model_dir
+from pagedllm.core.model_source import DEFAULT_MODEL_DIR, resolve_model_dir
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.platform.cpu_memory import keep_freed_memory
 from pagedllm.worker.beam_sampler import beam_candidates
@@ -35,7 +35,6 @@ from pagedllm.worker.sampler import (PenaltyState, SampledToken, Sampler, Sampli
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "default_model"
 # How long a step with nothing to schedule waits for a grammar still compiling before it returns.
 _IDLE_COMPILE_WAIT_S = 0.05
 
@@ -72,7 +71,7 @@ class LLMEngine:
         model_dir = resolve_model_dir(config.model, config.revision) if config.model is not None else DEFAULT_MODEL_DIR
         if not (model_dir / "config.json").is_file():
             raise ValueError(f"model={str(model_dir)!r} is not a Hugging Face checkpoint directory (no config.json)")
-        self.device = config.torch_device()
+        self.device = engine_device(config)
         if self.device.type == "cpu":
             keep_freed_memory()
         torch.manual_seed(config.seed)
@@ -237,12 +236,13 @@ class LLMEngine:
         """The ``n`` best hypotheses of a finished beam search, best first, whole (beams rewrite
         earlier tokens, so there are no deltas before the end)."""
         return [
-            CompletionDelta(index, self.outputs.decode(request, hyp.token_ids, hyp.finish_reason), hyp.token_ids,
-                            hyp.cumulative_logprob, None, hyp.finish_reason, score=hyp.score)
+            CompletionDelta(index=index, text=self.outputs.decode(request, hyp.token_ids, hyp.finish_reason),
+                            token_ids=hyp.token_ids, cumulative_logprob=hyp.cumulative_logprob, logprobs=None,
+                            finish_reason=hyp.finish_reason, score=hyp.score)
             for index, hyp in enumerate(search.best(request.params.n))
         ]
 
-    def _emit_all(self, samples: Seq[Sequence], tokens: Seq[SampledToken | None],
+    def _emit_all(self, samples: Seq[Sample], tokens: Seq[SampledToken | None],
                   deltas: dict[str, list[CompletionDelta]], errors: dict[str, str]) -> None:
         """Output processing of a step: each sample's text delta, stop strings.
 
@@ -283,7 +283,7 @@ class LLMEngine:
                 request_deltas.append(delta)
         self._generation_tokens_total += emitted
 
-    def _sample(self, logits: torch.Tensor, samples: Seq[Sequence],
+    def _sample(self, logits: torch.Tensor, samples: Seq[Sample],
                 errors: dict[str, str]) -> list[SampledToken | None]:
         """One token per sample; a row whose parameters make the sampler fail gets None (and an error)."""
         rows = [self._sampling_row(seq) for seq in samples]
@@ -308,12 +308,12 @@ class LLMEngine:
             self._track_sequence(seq)
             self.scheduler.add(seq)
         for failure in failed:
-            failure.seq.status = SequenceStatus.FINISHED  # it never reached the scheduler: nothing to free
+            failure.seq.status = SampleStatus.FINISHED  # it never reached the scheduler: nothing to free
             failure.seq.finish_reason = "error"
             errors[failure.seq.request.request_id] = failure.message
             self._invalid_requests.add(failure.seq.request.request_id)
 
-    def _advance_grammars(self, samples: Seq[Sequence], tokens: Seq[SampledToken | None],
+    def _advance_grammars(self, samples: Seq[Sample], tokens: Seq[SampledToken | None],
                           errors: dict[str, str]) -> None:
         """Each constrained sample's matcher takes its token; a grammar that has ended ends its sample (stop)."""
         for seq, token in zip(samples, tokens):
@@ -335,7 +335,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, "error")
             self._release(seq)
 
-    def _release(self, seq: Sequence) -> str:
+    def _release(self, seq: Sample) -> str:
         self._rows.pop(seq.seq_id, None)
         return self.outputs.close(seq)
 
@@ -349,13 +349,13 @@ class LLMEngine:
             aborted.add(request_id)
             held = self.structured.drop(request_id)
             if held is not None:  # aborted while its grammar compiled: it never reached the scheduler
-                held.status, held.finish_reason = SequenceStatus.FINISHED, "abort"
-                deltas[request_id] = [CompletionDelta(i, "", (), None, None, "abort") for i in range(request.params.n)]
+                held.status, held.finish_reason = SampleStatus.FINISHED, "abort"
+                deltas[request_id] = [_aborted(i, None) for i in range(request.params.n)]
                 continue
             if request.params.use_beam_search:
                 for seq in request.sequences:
                     self.scheduler.finish(seq, "abort")
-                deltas[request_id] = [CompletionDelta(i, "", (), 0.0, None, "abort") for i in range(request.params.n)]
+                deltas[request_id] = [_aborted(i, 0.0) for i in range(request.params.n)]
                 continue
             live = {seq.index: seq for seq in request.sequences if not seq.is_finished}
             reports_logprob = request.params.logprobs is not None  # as every other delta of the request
@@ -367,7 +367,9 @@ class LLMEngine:
                 if seq is not None:
                     self.scheduler.finish(seq, "abort")
                     text, logprob = self._release(seq), seq.cumulative_logprob
-                delta = CompletionDelta(index, text, (), logprob if reports_logprob else None, None, "abort")
+                delta = CompletionDelta(index=index, text=text, token_ids=(),
+                                        cumulative_logprob=logprob if reports_logprob else None, logprobs=None,
+                                        finish_reason="abort")
                 deltas.setdefault(request_id, []).append(delta)
         self._pending_aborts.clear()
         return aborted
@@ -382,10 +384,11 @@ class LLMEngine:
             del self._requests[request_id]
             self.prompt_logprobs.discard(request_id)
             self._invalid_requests.discard(request_id)
-        return RequestOutput(request_id, request.prompt, request.prompt_token_ids, tuple(items), finished, error,
-                             prompt_logprobs, invalid_input)
+        return RequestOutput(request_id=request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
+                             outputs=tuple(items), finished=finished, error=error, prompt_logprobs=prompt_logprobs,
+                             invalid_input=invalid_input)
 
-    def _track_sequence(self, seq: Sequence) -> None:
+    def _track_sequence(self, seq: Sample) -> None:
         params = seq.request.params
         penalties = PenaltyState(seq.prompt_token_ids, seq.output_token_ids) if needs_penalties(params) else None
         self._rows[seq.seq_id] = SamplingRow(params, make_generator(params.seed, seq.index, self.device), penalties, ())
@@ -393,7 +396,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             self.structured.track(seq)
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _sampling_row(self, seq: Sample) -> SamplingRow:
         row = self._rows[seq.seq_id]
         params = row.params
         if params.min_tokens and seq.num_output_tokens < params.min_tokens:
@@ -426,3 +429,8 @@ def _eos_token_ids(model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> froze
         elif value is not None:
             ids.update(value)
     return frozenset(ids)
+
+
+def _aborted(index: int, cumulative_logprob: float | None) -> CompletionDelta:
+    return CompletionDelta(index=index, text="", token_ids=(), cumulative_logprob=cumulative_logprob, logprobs=None,
+                           finish_reason="abort")

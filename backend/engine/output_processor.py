@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from pagedllm.core.request import Request, Sequence
+from pagedllm.core.request import Request, Sample
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.outputs import CompletionDelta
 from pagedllm.worker.sampler import SampledToken
@@ -19,13 +19,13 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sample) -> None:
         """Start decoding a new sample (its output is empty: forks happen before the first token)."""
         request = seq.request
         self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                                                 request.params)
 
-    def process(self, seq: Sequence, token: SampledToken) -> CompletionDelta:
+    def process(self, seq: Sample, token: SampledToken) -> CompletionDelta:
         """The delta for ``token``, just appended to ``seq`` (which the scheduler may already have finished).
 
         Its finish reason is "stop" when a stop string ended the sample; the engine must then end it.
@@ -40,12 +40,14 @@ class OutputProcessor:
             if reason is not None:
                 del self._detokenizers[seq.seq_id]
         if params.logprobs is None:
-            return CompletionDelta(seq.index, text, (token.token_id,), None, None, reason)
+            return CompletionDelta(index=seq.index, text=text, token_ids=(token.token_id,), cumulative_logprob=None,
+                                   logprobs=None, finish_reason=reason)
         logprobs = (token.top_logprobs or {},)
-        return CompletionDelta(seq.index, text, (token.token_id,), seq.cumulative_logprob, logprobs, reason)
+        return CompletionDelta(index=seq.index, text=text, token_ids=(token.token_id,),
+                               cumulative_logprob=seq.cumulative_logprob, logprobs=logprobs, finish_reason=reason)
 
     @staticmethod
-    def _text_at_stops(seq: Sequence, detokenizer: IncrementalDetokenizer, token_id: int) -> tuple[str, str | None]:
+    def _text_at_stops(seq: Sample, detokenizer: IncrementalDetokenizer, token_id: int) -> tuple[str, str | None]:
         """The text and finish reason of a token that ends its sample or may complete a stop string."""
         reason = seq.finish_reason
         stop_string = None
@@ -68,7 +70,7 @@ class OutputProcessor:
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params)
         return detokenizer.update(token_ids).text + detokenizer.flush()
 
-    def close(self, seq: Sequence) -> str:
+    def close(self, seq: Sample) -> str:
         """Release a sample that ends without a new token (abort, error); returns its held-back text."""
         detokenizer = self._detokenizers.pop(seq.seq_id, None)
         return "" if detokenizer is None else detokenizer.flush()

@@ -23,7 +23,7 @@ import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
-from pagedllm.core.request import Sequence
+from pagedllm.core.request import Sample
 from pagedllm.engine.grammar_compiler import GrammarCompiler, GrammarRejected
 from pagedllm.worker.grammar_bitmask import GrammarBitmask
 
@@ -32,13 +32,13 @@ from pagedllm.worker.grammar_bitmask import GrammarBitmask
 class StructuredOutputFailure:
     """A held request that cannot run: its sequence, and why (naming ``structured_outputs``)."""
 
-    seq: Sequence
+    seq: Sample
     message: str
 
 
 @dataclass(frozen=True, slots=True)
 class _Held:
-    seq: Sequence
+    seq: Sample
     grammar: Future[xgr.CompiledGrammar]
     deadline: float
 
@@ -57,7 +57,7 @@ class StructuredOutputs:
 
     # ---- compiling ----
 
-    def hold(self, seq: Sequence) -> None:
+    def hold(self, seq: Sample) -> None:
         """Keep ``seq`` (a request's first sample) until its grammar has compiled."""
         constraint = seq.request.params.structured_outputs
         if constraint is None:
@@ -69,16 +69,16 @@ class StructuredOutputs:
     def num_held(self) -> int:
         return len(self._held)
 
-    def drop(self, request_id: str) -> Sequence | None:
+    def drop(self, request_id: str) -> Sample | None:
         """Stop holding a request (aborted while compiling); its sequence, or None if it is not held."""
         held = self._held.pop(request_id, None)
         return None if held is None else held.seq
 
-    def take_compiled(self) -> tuple[list[Sequence], list[StructuredOutputFailure]]:
+    def take_compiled(self) -> tuple[list[Sample], list[StructuredOutputFailure]]:
         """The held sequences whose grammar is ready (to schedule now), and those that failed."""
         if not self._held:
             return [], []
-        ready: list[Sequence] = []
+        ready: list[Sample] = []
         failed: list[StructuredOutputFailure] = []
         now = time.monotonic()
         for request_id, held in list(self._held.items()):
@@ -112,7 +112,7 @@ class StructuredOutputs:
 
     # ---- sampling ----
 
-    def track(self, seq: Sequence) -> None:
+    def track(self, seq: Sample) -> None:
         """A constrained request's new sample (``n > 1`` forks at the first token) gets a matcher of its own."""
         if seq.request.params.structured_outputs is None or seq.seq_id in self._matchers:
             return
@@ -128,7 +128,7 @@ class StructuredOutputs:
     def has_matchers(self) -> bool:
         return bool(self._matchers)
 
-    def mask(self, logits: torch.Tensor, samples: Seq[Sequence]) -> None:
+    def mask(self, logits: torch.Tensor, samples: Seq[Sample]) -> None:
         """Mask (in place) the logits rows of the constrained ``samples`` (row i is ``samples[i]``)."""
         if not self._matchers:
             return
@@ -140,7 +140,7 @@ class StructuredOutputs:
             self._bitmask = GrammarBitmask(self._vocab_size, self._max_rows)
         self._bitmask.apply(logits, rows, [matchers[samples[i].seq_id][0] for i in rows])
 
-    def accept(self, seq: Sequence, token_id: int) -> bool | None:
+    def accept(self, seq: Sample, token_id: int) -> bool | None:
         """Advance ``seq``'s matcher: None when unconstrained, else whether its grammar has now ended.
 
         Raises ``ValueError`` naming the field if the grammar refuses the token (the mask allowed

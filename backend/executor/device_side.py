@@ -38,13 +38,29 @@ class DeviceSide:
     workers: WorkerGroup | None  # ranks 1..tp-1; None at tensor_parallel_size=1
 
 
+def engine_device(config: EngineConfig) -> torch.device:
+    """``auto`` is the GPU where torch sees one, else the CPU."""
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def engine_dtype(config: EngineConfig, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+    """``auto`` is float32 on CPU and the checkpoint's dtype (else bfloat16) on GPU."""
+    if config.dtype != "auto":
+        return getattr(torch, config.dtype)
+    if device.type == "cpu":
+        return torch.float32
+    return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
 def set_up_device_side(config: EngineConfig, model_dir: Path) -> DeviceSide:
     """Load the model on every rank and size and allocate the KV cache. ``ValueError`` for a model, size or
     setting that cannot run; on any failure, workers already started are stopped."""
-    device = config.torch_device()
+    device = engine_device(config)
     attention = (select_attention_backend(device) if config.attention_backend == "auto"
                  else attention_backend_named(config.attention_backend))
-    dtype = config.torch_dtype(_checkpoint_dtype(model_dir))
+    dtype = engine_dtype(config, device, _checkpoint_dtype(model_dir))
     workers: WorkerGroup | None = None
     tp = SINGLE
     if config.tensor_parallel_size > 1:

@@ -8,7 +8,6 @@ says stop, when rank 0's connection closes, or when its parent dies.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pagedllm.lora.manager import LoRAManager
+from pagedllm.platform.processes import die_with_parent
 from pagedllm.models import load_model
 from pagedllm.models.loader import checkpoint_files
 from pagedllm.layers.quantization import checkpoint_kv_cache_scales
@@ -33,7 +33,6 @@ from pagedllm.worker.model_runner import BatchLimits, ModelRunner, kv_budget_byt
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _PARENT_POLL_S = 0.5
 
 
@@ -94,8 +93,7 @@ def _serve(device: torch.device, tp: TensorParallel) -> None:
 
 def _die_with_parent(parent: int) -> None:
     """SIGKILL when the parent dies (Linux), and a watchdog in case it died before the request took effect."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    die_with_parent(signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(1)
 

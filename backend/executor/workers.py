@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,7 +29,8 @@ import torch.distributed as dist
 
 from transformers import AutoConfig
 
-from pagedllm.engine.engine_contract import EngineBroken
+from pagedllm.core.errors import EngineBroken
+from pagedllm.platform.processes import free_port
 from pagedllm.layers.tensor_parallel import model_shape
 from pagedllm.distributed.group import TensorParallel, join_group, leave_group
 from pagedllm.distributed.sharding import shard_layout
@@ -74,7 +74,7 @@ class WorkerGroup:
         self.device = device
         threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else torch.get_num_threads()
         torch.set_num_threads(threads)  # this rank's share too: the ranks run their forwards at the same time
-        port = _free_port()
+        port = free_port()
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(size),
                THREADS_ENV: str(threads), PARENT_ENV: str(os.getpid()),
                "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -160,12 +160,6 @@ def _rank_device(device: torch.device, rank: int) -> torch.device:
     if device.type != "cuda":
         return device
     return torch.device("cuda", (device.index or 0) + rank)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _exit_cause(code: int) -> str:

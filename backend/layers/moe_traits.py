@@ -13,8 +13,10 @@ routing, sigmoid scoring, routed scaling) fail the load, naming the key.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from transformers import PretrainedConfig
+if TYPE_CHECKING:  # the OpenAI door reads MOE_MODEL_TYPES, and transformers' config classes load torch
+    from transformers import PretrainedConfig
 
 # model_type -> (the block's checkpoint name, per-expert (gate, up, down) tensor names)
 _CHECKPOINT_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {

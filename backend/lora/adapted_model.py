@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.lora.adapter import LoRAAdapter, LoRAWeights, config_model_shape
+from pagedllm.lora.adapter import LoRAAdapter, LoRAWeights
+from pagedllm.lora.adapter_files import base_model_shape
 from pagedllm.lora.linear import LoRAContext, LoRALinear
 from pagedllm.models import CausalLM
 from pagedllm.distributed.sharding import RowRange, ShardLayout
@@ -25,7 +26,7 @@ class AdaptedModel:
         self.context = LoRAContext()
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         device = model.model.norm.weight.device
-        moe = config_model_shape(model.config).moe
+        moe = base_model_shape(model.config.to_dict()).moe
 
         def wrap(base: torch.nn.Module, parts: tuple[int, ...]) -> LoRALinear:
             return LoRALinear(base, parts, max_loras, max_rank, self.context, dtype, device)

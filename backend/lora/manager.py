@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from pagedllm.core.request import Request, Sequence
+from pagedllm.core.request import Request, Sample
 from pagedllm.lora.adapted_model import AdaptedModel
-from pagedllm.lora.adapter import config_model_shape
+from pagedllm.lora.adapter_files import base_model_shape
 from pagedllm.lora.linear import LoRAContext
 from pagedllm.lora.registry import AdapterRegistry
 from pagedllm.lora.request import LoRARequest
@@ -20,7 +20,7 @@ from pagedllm.models import CausalLM
 
 class LoRAManager:
     def __init__(self, model: CausalLM, max_loras: int, max_lora_rank: int, max_cpu_loras: int) -> None:
-        self.registry = AdapterRegistry(config_model_shape(model.config), max_lora_rank, max_cpu_loras)
+        self.registry = AdapterRegistry(base_model_shape(model.config.to_dict()), max_lora_rank, max_cpu_loras)
         self.slots = AdapterSlots(max_loras)
         self.adapted = AdaptedModel(model, max_loras, max_lora_rank)
 
@@ -32,7 +32,7 @@ class LoRAManager:
         """Check and hold ``request``'s adapter; ``ValueError`` naming what is wrong with it."""
         self.registry.add(request)
 
-    def admit(self, request: Request, running: Seq[Sequence]) -> bool:
+    def admit(self, request: Request, running: Seq[Sample]) -> bool:
         return self.slots.admit(request, running)
 
     def slot_of(self, lora_int_id: int) -> int:

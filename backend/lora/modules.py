@@ -13,9 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from transformers import AutoConfig
-
-from pagedllm.lora.adapter import config_model_shape, load_adapter
+from pagedllm.lora.adapter_files import check_adapter, checkpoint_shape
 from pagedllm.lora.request import LoRARequest
 
 MULTI_LORA_FILE = "multi_lora.json"
@@ -59,11 +57,11 @@ class LoRAModules:
         self._set(read_multi_lora(self.file) if stamp is not None else {})
 
     def check(self, model_dir: Path, max_lora_rank: int) -> None:
-        """Load every adapter against the base model's shapes; ``ValueError`` naming the first bad entry."""
-        shape = config_model_shape(AutoConfig.from_pretrained(model_dir))
+        """Check every adapter against the base model's shapes; ``ValueError`` naming the first bad entry."""
+        shape = checkpoint_shape(model_dir)
         for name, path in self._paths.items():
             try:
-                load_adapter(name, path, shape, max_lora_rank)
+                check_adapter(name, path, shape, max_lora_rank)
             except ValueError as error:
                 where = f"{self.file}: " if self.file is not None else ""
                 raise ValueError(f"{where}entry {name!r}: {error}") from error

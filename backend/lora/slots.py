@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
-from pagedllm.core.request import Request, Sequence
+from pagedllm.core.request import Request, Sample
 
 BASE_SLOT = -1  # tokens of the base model: no adapter
 
@@ -25,7 +25,7 @@ class AdapterSlots:
         self.num_loads = 0
         self.num_evictions = 0
 
-    def admit(self, request: Request, running: Seq[Sequence]) -> bool:
+    def admit(self, request: Request, running: Seq[Sample]) -> bool:
         """Whether ``request``'s adapter holds a slot this step, assigning one when a slot can be had."""
         lora_id = request.lora_int_id
         if lora_id == 0:

@@ -26,7 +26,8 @@ import torch
 
 from pagedllm.simulation.null_engine import NullEngine
 from pagedllm.core.config import EngineConfig
-from pagedllm.engine.llm_engine import DEFAULT_MODEL_DIR, LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.core.model_source import DEFAULT_MODEL_DIR
 from pagedllm.planning.model_catalog import ModelSpec, spec_from_config
 from pagedllm.planning.step_time import ModelCost, StepShape, StepTimeModel, fit
 from pagedllm.core.sampling_params import SamplingParams

@@ -15,11 +15,11 @@ import numpy as np
 
 from pagedllm.planning.gpu_catalog import GIB, Accelerator
 from pagedllm.planning.model_catalog import ModelSpec
+from pagedllm.core.kv_sizing import CPU_KV_BUDGET_BYTES, kv_block_bytes
 from pagedllm.distributed.sharding import ModelShape, ShardLayout, shard_layout
 
 # "fp8", "fp8_e4m3", "fp8_e5m2": an 8-bit KV cache (the engine's kv_cache_dtype names the last two).
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
-CPU_KV_BUDGET_BYTES = GIB  # the engine's default KV budget on the CPU
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 
 
@@ -99,19 +99,13 @@ def weights_bytes_per_gpu(model: ModelSpec, dtype: str, tensor_parallel_size: in
     return params * DTYPE_BYTES[dtype]
 
 
-def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, element_bytes: int) -> int:
-    """K and V of one block in every layer: what the engine allocates per block
-    (``ModelRunner.bytes_per_block``) and what this planner counts, so the two agree."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_bytes
-
-
 def kv_bytes_per_token(model: ModelSpec, kv_dtype: str, tensor_parallel_size: int) -> int:
     """K and V of one token in every layer, on one GPU."""
     heads = kv_heads_per_gpu(model, tensor_parallel_size)
     return kv_block_bytes(model.num_layers, heads, model.head_dim, 1, DTYPE_BYTES[kv_dtype])
 
 
-def kv_budget_bytes(deployment: Deployment, weights_bytes: int) -> int:
+def kv_budget_per_gpu(deployment: Deployment, weights_bytes: int) -> int:
     gpu = deployment.gpu
     if gpu.is_cpu:
         if deployment.kv_cache_memory_gb is not None:
@@ -128,7 +122,7 @@ def max_concurrency(kv_tokens: int, max_model_len: int) -> float:
 def capacity(deployment: Deployment) -> KvCapacity:
     weights = weights_bytes_per_gpu(deployment.model, deployment.dtype, deployment.tensor_parallel_size)
     per_token = kv_bytes_per_token(deployment.model, deployment.kv_dtype, deployment.tensor_parallel_size)
-    budget = kv_budget_bytes(deployment, weights)
+    budget = kv_budget_per_gpu(deployment, weights)
     blocks = max(0, budget // (per_token * deployment.block_size))
     kv_tokens = blocks * deployment.block_size
     length = deployment.context_len

@@ -112,15 +112,14 @@ def count_other_processes(marker: str) -> int:
     return count
 
 
-def bind_engine(setting: str, allowed: frozenset[int], marker: str) -> CpuSplit | None:
-    """In the engine child, before the engine is built: pin this process and size torch's thread pool.
+def bind_engine(setting: str, allowed: frozenset[int], marker: str, threads: int) -> CpuSplit | None:
+    """In the engine child, before the engine is built: pin this process to its share of the CPUs.
 
-    ``marker``: what every engine child's command line contains, to see other engines.
+    ``marker``: what every engine child's command line contains, to see other engines. ``threads``: the
+    size of torch's thread pool now; the caller resizes it to ``len(split.engine)`` when ``split.explicit``.
     """
-    import torch
-
     others = count_other_processes(marker) if setting == "auto" else 0
-    split = split_cpus(setting, allowed, torch.get_num_threads(), others)
+    split = split_cpus(setting, allowed, threads, others)
     if split is None and others:
         log.info("cpu_bind=auto: %d other pagedllm engine core(s) run on this host, so nothing is bound; "
                  "give each engine its own cpu_bind CPU list to bind them", others)
@@ -132,10 +131,7 @@ def bind_engine(setting: str, allowed: frozenset[int], marker: str) -> CpuSplit 
     except OSError as error:  # e.g. a container whose cpuset changed under us: run as we are, say so
         log.warning("could not bind the engine core to CPUs %s (%s); it runs unbound", sorted(cpus), error)
         return None
-    if split is None:
-        return None
-    if split.explicit:
-        torch.set_num_threads(len(split.engine))
-    log.info("engine core bound to CPUs %s (%d torch threads); serving side: %s", sorted(split.engine),
-             torch.get_num_threads(), sorted(split.serving) or "unbound")
+    if split is not None:
+        log.info("engine core bound to CPUs %s; serving side: %s", sorted(split.engine),
+                 sorted(split.serving) or "unbound")
     return split

@@ -20,7 +20,7 @@ from pagedllm.serving.engine_args import load_engine_config
 from pagedllm.serving.triton.request_codec import INPUT_SPECS, OUTPUT_SPECS
 from pagedllm.serving.server import TritonServer
 from pagedllm.serving.server_placement import run_beside
-from pagedllm.serving.supervision import DIR_VARIABLE
+from pagedllm.serving.supervisor_folder import DIR_VARIABLE
 from pagedllm.serving.supervisor import DEFAULT_CRASH_LOOP_S, DEFAULT_MAX_RELOADS, Supervisor, SupervisorGaveUp
 
 if TYPE_CHECKING:  # the OpenAI server needs the `openai` extra: imported only when asked for
@@ -100,7 +100,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def serve_main(args: argparse.Namespace) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="pagedllm-serve-")) if args.model else None
-    # The supervisor's folder (see serving.supervision); a caller may name it (tests inject faults there).
+    # The supervisor's folder (see serving.supervisor_folder); a caller may name it (tests inject faults there).
     named = os.environ.get(DIR_VARIABLE)
     supervision = Path(named) if named else Path(tempfile.mkdtemp(prefix="pagedllm-supervision-"))
     try:

@@ -1,13 +1,10 @@
 """Run the pytriton wheel's tritonserver with the ``pagedllm`` backend, from tests, benchmarks or the CLI."""
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -18,15 +15,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+from pagedllm.platform.processes import die_with_parent, exit_code_of_zombie, free_port, is_zombie
 from pagedllm.serving.backend_dir import assemble_backend_dir
 from pagedllm.serving.server_placement import forget_server
 from pagedllm.serving.stub_env import stub_env_dir
 from pagedllm.serving.triton_files import find_triton_files, interpreter_library_dir
-
-_PR_SET_PDEATHSIG = 1
-# Resolved here, not in the forked child: dlopen there could deadlock on a lock another thread held.
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-
 
 def _die_with_parent() -> None:
     """In the child before exec: get SIGTERM when the launching thread dies (Linux).
@@ -34,8 +27,7 @@ def _die_with_parent() -> None:
     The server runs in its own session (so a terminal's Ctrl-C reaches only the launcher,
     which then stops it cleanly); this keeps a killed launcher from leaving it orphaned.
     """
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    die_with_parent(signal.SIGTERM)
 
 
 def _group_members(group: int) -> list[tuple[int, list[bytes]]]:
@@ -51,19 +43,6 @@ def _group_members(group: int) -> list[tuple[int, list[bytes]]]:
         except (ProcessLookupError, FileNotFoundError, PermissionError):
             continue
     return members
-
-
-def child_pids(pid: int) -> list[int]:
-    """The live processes whose parent is ``pid`` (read from ``/proc``)."""
-    found = []
-    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
-            except (OSError, ValueError):
-                continue
-    return found
 
 
 def _shm_regions(members: list[tuple[int, list[bytes]]]) -> list[str]:
@@ -131,18 +110,7 @@ class ExitStatus:
 
 def exit_status(pid: int) -> ExitStatus:
     """Read from the zombie's ``/proc`` entry while it lasts (field 52, exit_code: Linux >= 3.5)."""
-    try:
-        return ExitStatus(int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[49]))
-    except (OSError, IndexError, ValueError):
-        return ExitStatus(None)
-
-
-def is_zombie(pid: int) -> bool:
-    """Whether ``pid`` has ended: a zombie, or gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True  # gone
+    return ExitStatus(exit_code_of_zombie(pid))
 
 
 def _send(pid: int, signum: int) -> None:
@@ -150,13 +118,6 @@ def _send(pid: int, signum: int) -> None:
         os.kill(pid, signum)
     except ProcessLookupError:
         pass
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class TritonServer:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedllm.platform.cpu_binding import parse_cpu_list, pin_process
+from pagedllm.platform.processes import parent_pid, start_time
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class TritonServerThreads:
 
     @classmethod
     def of(cls, pid: int) -> TritonServerThreads:
-        record = Path(tempfile.gettempdir()) / f"{RECORD_PREFIX}{pid}-{_start_time(pid)}.cpus"
+        record = Path(tempfile.gettempdir()) / f"{RECORD_PREFIX}{pid}-{start_time(pid)}.cpus"
         try:
             cpus = parse_cpu_list(record.read_text())
         except (OSError, ValueError):
@@ -123,23 +124,7 @@ def _engine_cores_under(server_pid: int) -> int:
             with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
                 if CHILD_MARKER.encode() not in cmdline.read():
                     continue
-            count += _parent(_parent(int(pid))) == server_pid
+            count += parent_pid(parent_pid(int(pid))) == server_pid
         except OSError:  # gone meanwhile, or not ours to read
             continue
     return count
-
-
-def _parent(pid: int) -> int:
-    return int(_stat_field(pid, 4))
-
-
-def _start_time(pid: int) -> str:
-    """With the pid, names one process for the life of the host."""
-    return _stat_field(pid, 22)
-
-
-def _stat_field(pid: int, number: int) -> str:
-    """Field ``number`` (1-based, as in proc(5)) of ``/proc/<pid>/stat``; split after the command name,
-    which may hold spaces and parentheses."""
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rsplit(")", 1)[1].split()[number - 3]

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagedllm.serving.server import TritonServer, exit_status, is_zombie
-from pagedllm.serving.supervision import SupervisionFolder
+from pagedllm.serving.supervisor_folder import SupervisorFolder
 
 DEFAULT_MAX_RELOADS = 3
 DEFAULT_RELOAD_TIMEOUT_S = 300.0
@@ -60,7 +60,7 @@ class Supervisor:
         if max_reloads < 1:
             raise ValueError(f"max_reloads must be >= 1, got {max_reloads}")
         self._server = server
-        self._folder = SupervisionFolder(folder)
+        self._folder = SupervisorFolder(folder)
         self._max_reloads = max_reloads
         self._reload_timeout_s = reload_timeout_s
         self._report = report

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
-from pagedllm.lora.adapter import config_model_shape
+from pagedllm.lora.adapter_files import base_model_shape
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -23,7 +23,7 @@ def make_random_adapter(base_dir: Path, out_dir: Path, rank: int, alpha: float, 
                         std: float = 0.05) -> Path:
     """Write an adapter of ``base_dir``'s model with random ``A`` and ``B`` into ``out_dir`` and return it."""
     config = AutoConfig.from_pretrained(base_dir)
-    features = config_model_shape(config).features
+    features = base_model_shape(config.to_dict()).features
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(config.num_hidden_layers):

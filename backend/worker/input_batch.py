@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm.core.request import Sequence
+from pagedllm.core.request import Sample
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.lora.mapping import LoRAMapping, build_lora_mapping
 from pagedllm.attention.metadata import AttentionMetadata
@@ -152,7 +152,7 @@ class InputBatch:
         return StepInputs(put(input_ids, torch.int64), put(positions, torch.int64), attn,
                           put(logits_indices, torch.int64), decode_rows, lora)
 
-    def _sync_row(self, seq: Sequence) -> int:
+    def _sync_row(self, seq: Sample) -> int:
         """The sequence's table row, with any block ids it gained since the last step written in."""
         block_ids = seq.block_ids
         row = self._row_of.get(seq.seq_id)

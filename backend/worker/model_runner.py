@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.core.config import EngineConfig
+from pagedllm.core.kv_sizing import CPU_KV_BUDGET_BYTES, kv_block_bytes
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.attention.backends import AttentionBackend
 from pagedllm.worker.cuda_graphs import DecodeGraphs
@@ -14,10 +15,6 @@ from pagedllm.worker.input_batch import InputBatch, StepInputs
 from pagedllm.models import CausalLM
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.worker.step_wire import broadcast_step
-from pagedllm.planning.kv_math import kv_block_bytes
-
-# The KV budget on a CPU when kv_cache_memory_gb is not given.
-CPU_KV_BUDGET_BYTES = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)

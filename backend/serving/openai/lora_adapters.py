@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
-from pagedllm.lora.adapter import config_model_shape, load_adapter
+from pagedllm.lora.adapter_files import check_adapter, checkpoint_shape
 from pagedllm.lora.modules import MULTI_LORA_FILE, read_multi_lora, write_multi_lora
 from pagedllm.serving.engine_args import load_engine_config
 from pagedllm.serving.openai.errors import OpenAIError
@@ -70,11 +70,9 @@ class RuntimeAdapters:
         with self._lock:
             if name in self.by_name:
                 raise OpenAIError(400, f"lora_name: {name!r} is already a served model or adapter", "lora_name")
-            from transformers import AutoConfig
-
-            shape = config_model_shape(AutoConfig.from_pretrained(self.base.model_dir))
+            shape = checkpoint_shape(self.base.model_dir)
             try:
-                load_adapter(name, path, shape, self.base.max_lora_rank)
+                check_adapter(name, path, shape, self.base.max_lora_rank)
             except ValueError as error:
                 raise OpenAIError(400, f"lora_path: {error}", "lora_path") from error
             table = self._table()

@@ -45,8 +45,9 @@ import triton_python_backend_utils as pb_utils
 
 from pagedllm.engine import latency_trace
 from pagedllm.engine.core_process import EngineCoreProcess
-from pagedllm.engine.llm_engine import DEFAULT_MODEL_DIR, LLMEngine
-from pagedllm.engine.engine_contract import EngineUnavailable, FailureKind
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.core.model_source import DEFAULT_MODEL_DIR
+from pagedllm.core.errors import EngineUnavailable, FailureKind
 from pagedllm.engine.engine_loop import EngineLoop
 from pagedllm.platform.gc_tuning import freeze_startup_heap
 from pagedllm.engine.outputs import RequestOutput
@@ -66,7 +67,7 @@ from pagedllm.serving.triton.response_codec import ResponseAssembler, Tensors
 from pagedllm.serving.triton.response_dispatcher import Data, Failure, ResponseDispatcher
 from pagedllm.serving.server_placement import TritonServerThreads
 from pagedllm.serving.triton import stop_signal
-from pagedllm.serving.supervision import SupervisionFolder
+from pagedllm.serving.supervisor_folder import SupervisorFolder
 
 
 FINALIZE_BUDGET_S = 10.0
@@ -133,7 +134,7 @@ class TritonPythonModel:
         self._engine = (EngineCoreProcess(engine_config, bind_caller=True,
                                           allowed_cpus=server.cpus if server is not None else None)
                         if engine_config.engine_process else LLMEngine(engine_config))
-        self._supervision = SupervisionFolder.from_environment()
+        self._supervision = SupervisorFolder.from_environment()
         if self._supervision is not None:
             self._engine.step = self._supervision.with_fault_hook(self._model_name, self._engine.step)
         self._max_prompt_bytes = self._engine.max_model_len * MAX_PROMPT_BYTES_PER_TOKEN

@@ -100,8 +100,9 @@ class ResponseAssembler:
                         prompt_logprobs: Sequence[dict[int, float] | None]) -> bytes:
         first = {str(prompt_token_ids[0]): {"logprob": None, "rank": None,
                                             "decoded_token": self._decode_token(prompt_token_ids[0])}}
-        later = self._logprob_entries(CompletionDelta(0, "", tuple(prompt_token_ids[1:]), None,
-                                                      tuple(entry or {} for entry in prompt_logprobs[1:]), None))
+        later = self._logprob_entries(CompletionDelta(
+            index=0, text="", token_ids=tuple(prompt_token_ids[1:]), cumulative_logprob=None,
+            logprobs=tuple(entry or {} for entry in prompt_logprobs[1:]), finish_reason=None))
         return json.dumps([first, *later]).encode()
 
     def _tensors(self, samples: list[_Sample], prefix: str) -> Tensors:

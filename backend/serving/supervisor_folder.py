@@ -1,4 +1,4 @@
-"""What ``pagedllm serve``'s supervisor and the model instances it restarts tell each other, through files.
+"""The folder through which ``pagedllm serve``'s supervisor and the model instances it restarts talk.
 
 A restart replaces the backend stub (and with it every Python object of the model),
 so whatever must outlive one lives in a folder the launcher owns and names in the
@@ -37,12 +37,12 @@ class InjectedEngineDeath(BaseException):
 
 
 @dataclass(frozen=True, slots=True)
-class SupervisionFolder:
+class SupervisorFolder:
     path: Path
     fault_injection: bool = False
 
     @classmethod
-    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> SupervisionFolder | None:
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> SupervisorFolder | None:
         folder = environ.get(DIR_VARIABLE)
         if not folder:
             return None
