@@ -1,8 +1,7 @@
 """pagedllm: a paged-KV, continuous-batching LLM engine and NVIDIA Triton Python-based backend."""
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from pagedllm.platform.lazy_exports import lazy_exports
 
 # Resolved on first use, so `import pagedllm.kernels` or the Triton stub's import
 # of `pagedllm.serving.triton.model` do not pay for loading the whole engine.
@@ -17,9 +16,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -6,8 +6,7 @@ paged KV cache and whose ``compute_logits(hidden)`` gives float32 logits.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from pagedllm.platform.lazy_exports import lazy_exports
 
 # Resolved on first use, so importing a light module of this package (the architecture table)
 # does not load torch and the whole model.
@@ -20,9 +19,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'pagedllm.models' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -9,7 +9,11 @@ from pagedllm.planning.plan import Plan
 
 
 def save_plot(plan: Plan, path: Path) -> Path:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise SystemExit("--plot needs matplotlib, which pagedllm's runtime does not install: "
+                         "pip install 'pagedllm[bench]'") from error
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
