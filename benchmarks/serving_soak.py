@@ -14,7 +14,7 @@ from typing import Any
 
 from pagedllm_bench import report
 from pagedllm_bench.models import bench_model
-from pagedllm.serving.server import child_pids
+from pagedllm.platform.processes import child_pids
 
 SOAK_CONCURRENCY = 32
 WARMUP_REQUESTS = 64
