@@ -2,7 +2,7 @@
 
 Workloads are checked for determinism, shape and JSON round trips; each
 ``pagedllm bench`` module runs end to end at ``--tiny`` and its JSON is checked
-for what the README tables need. The memory bench's null-model engine is
+for what the RESULTS tables need. The memory bench's null-model engine is
 checked against the real engine step for step.
 """
 from __future__ import annotations

@@ -76,7 +76,7 @@ def test_a_hung_up_sse_stream_is_aborted_and_frees_its_blocks(server: TritonServ
 
 def test_a_hung_up_non_streaming_generate_runs_to_its_end_unless_it_has_a_timeout(server: TritonServer) -> None:
     # Pinned limit of tritonserver 2.51: a closed generate (non-streaming) connection is not reported,
-    # is_cancelled() stays False, and the request runs to max_tokens (README: "Disconnects").
+    # is_cancelled() stays False, and the request runs to max_tokens (docs/deployment.md: "Disconnects").
     assert generated_after_hanging_up(server, {"text_input": "class A:", **LONG}, "generate") == LONG["max_tokens"]
     # sampling_parameters.timeout bounds such a request.
     bounded = generated_after_hanging_up(server, {"text_input": "class A:", **LONG, "timeout": 0.3}, "generate")

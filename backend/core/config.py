@@ -17,7 +17,7 @@ _KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Everything that shapes an engine; see the README's table for each key.
+    """Everything that shapes an engine; see docs/configuration.md for each key.
 
     ``model=None`` serves the embedded default model; ``model`` and ``tokenizer`` may be
     local directories or Hugging Face hub ids (``pagedllm.core.model_source``). ``num_kv_blocks=None``

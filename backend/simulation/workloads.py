@@ -1,6 +1,6 @@
 """Seeded benchmark workloads, written to JSON so any engine can replay them.
 
-Three shapes, each at three scales (``full`` is what the README reports,
+Three shapes, each at three scales (``full`` is what RESULTS reports,
 ``quick`` a quarter of it for a fast look, ``tiny`` what the tests run):
 
 * ``long-tail``: prompts of uniform length, output lengths long-tailed
