@@ -88,6 +88,13 @@ def test_what_strict_json_refuses_is_refused(compiler: xgr.GrammarCompiler, text
     assert not accepts(compiler, bounded(0, 4), text)
 
 
+def test_utf8_encoded_surrogates_are_refused(compiler: xgr.GrammarCompiler) -> None:
+    matcher = xgr.GrammarMatcher(compiler.compile_json_schema(
+        json.dumps(bounded_strings_as_patterns(bounded(0, 4))), any_whitespace=False))
+    assert not matcher.accept_string(b'"\xed\xa0\x80"')  # U+D800 as UTF-8: no Unicode decoder reads it
+    assert accepts(compiler, bounded(0, 4), '"\ud7ff\ue000\U0010ffff"')
+
+
 def test_bounds_are_rewritten_wherever_a_schema_can_hold_a_string(compiler: xgr.GrammarCompiler) -> None:
     short = bounded(max_length=2)
     schema = {

@@ -6,7 +6,9 @@ and no escapes at all (mlc-ai/xgrammar#800). A finished output can then fail a s
 ``json.loads``. :func:`bounded_strings_as_patterns` rewrites each such bound into a
 ``pattern`` over the string's JSON text, one repetition per decoded character:
 
-* a raw character other than ``"``, ``\\`` and the control characters;
+* a raw character other than ``"``, ``\\``, the control characters and the surrogates
+  (xgrammar takes UTF-8-encoded surrogate bytes for one character; a decoder shows three
+  U+FFFD, which would break the count);
 * a two-character escape (``\\"``, ``\\\\``, ``\\/``, ``\\b``, ``\\f``, ``\\n``, ``\\r``, ``\\t``);
 * ``\\uXXXX`` for a code point outside the surrogates, or a surrogate pair
   ``\\uD8xx\\uDCxx`` for one code point past U+FFFF (lone surrogates are refused);
@@ -31,7 +33,7 @@ from typing import Any
 _HEX = "[0-9a-fA-F]"
 # The raw U+001F that ends the range is deliberate: see the module docstring.
 _JSON_CHAR = (
-    '(?:[^"\\\\\\x00-\x1f]'
+    '(?:[^"\\\\\\x00-\x1f\\ud800-\\udfff]'
     '|\\\\["\\\\/bfnrt]'
     f"|\\\\u(?:[0-9a-cA-CefEF]{_HEX}{{3}}|[dD][0-7]{_HEX}{{2}})"
     f"|\\\\u[dD][89abAB]{_HEX}{{2}}\\\\u[dD][c-fC-F]{_HEX}{{2}})"
