@@ -133,6 +133,29 @@ def test_killed_worker_fails_the_step_naming_its_rank(tiny_model_dir: Callable[[
         llm.close()
 
 
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def test_a_second_tp_llm_names_the_open_one_and_takes_over_from_a_dropped_one(
+        tiny_model_dir: Callable[[str], Path]) -> None:
+    model = str(tiny_model_dir("llama"))
+    first = LLM(model, tensor_parallel_size=2)
+    (worker,) = first.engine.workers.pids()
+    with pytest.raises(RuntimeError, match=r"LLM is still open in this process .* call close\(\) on it") as error:
+        LLM(model, tensor_parallel_size=2)
+    assert "\n" not in str(error.value)
+    del error
+    assert _alive(worker)
+    expected = first.generate("def f(x):", GREEDY)[0].outputs[0].token_ids  # the open one is unharmed
+    del first  # dropped without close(), as notebooks do
+    second = LLM(model, tensor_parallel_size=2)
+    try:
+        assert not _alive(worker), "the dropped engine's worker is still running"
+        assert second.generate("def f(x):", GREEDY)[0].outputs[0].token_ids == expected
+    finally:
+        second.close()
+
+
 def test_workers_do_not_outlive_a_killed_engine(tiny_model_dir: Callable[[str], Path]) -> None:
     script = textwrap.dedent(f"""
         import sys, time
