@@ -6,14 +6,20 @@ returns the directory of a tiny random-weight checkpoint of that architecture
 ``pagedllm.testing.tiny_model.make_tiny_model`` on first use and reused for the rest
 of the test session. Treat the directory as read-only: other tests share it.
 Each build takes about a second (tokenizer training plus weights).
+
+The run fails if it leaves Python-backend shared-memory regions in ``/dev/shm``
+that no process maps (``no_shared_memory_left_behind``): a test that kills a server
+or a stub removes what it leaves (``shm_regions``).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+import shm_regions
 
 from pagedllm.serving.triton_files import find_triton_files
 from pagedllm.testing.tiny_model import make_tiny_model
@@ -49,3 +55,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
         return built[arch]
 
     return build
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left_behind() -> Iterator[None]:
+    before = shm_regions.present()
+    yield
+    left = shm_regions.orphans(before)
+    if left:
+        pytest.fail(f"the run left {len(left)} shared-memory region(s) in {shm_regions.SHM} that no process maps: "
+                    f"{sorted(left)} (a test killed a server or stub without removing them; another run on this "
+                    "machine at the same time can leave them too)", pytrace=False)

@@ -29,6 +29,7 @@ import pytest
 import requests
 
 pytest.importorskip("tritonclient.grpc")
+import shm_regions  # noqa: E402
 from test_triton_server import StreamClient, StreamResult, make_inputs, greedy  # noqa: E402
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
@@ -140,8 +141,7 @@ def stop_serve(serve: Serve) -> None:
         try:
             serve.process.wait(60)
         except subprocess.TimeoutExpired:
-            serve.process.kill()
-            serve.process.wait()
+            shm_regions.kill_tree(serve.process)
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +229,9 @@ def test_a_killed_stub_fails_its_streams_and_the_server_comes_back(serve: Serve,
     clients, results = start_streams(serve)
     try:
         running = in_flight(results)
-        os.kill(serve.stub_pid(), signal.SIGKILL)
+        stub = serve.stub_pid()
+        stub_regions = shm_regions.named_by([stub])
+        os.kill(stub, signal.SIGKILL)
         not_ready_after = wait_until(lambda: not serve.ready(), timeout_s=10)
         status, reason = serve.health()  # the liveness route runs a real step, which cannot happen now
         assert status == 503 and "model 'llm'" in reason
@@ -242,6 +244,8 @@ def test_a_killed_stub_fails_its_streams_and_the_server_comes_back(serve: Serve,
     check_cut_or_whole(running, results, offline, causes=())
     check_serving_again(serve, offline, restarts=restarts_before + 1)
     assert serve.health() == (200, "ok")
+    assert stub_regions, "the stub named no shared-memory region"
+    shm_regions.remove_unmapped(stub_regions)  # the killed stub's region: tritonserver does not remove it
     causes = [line for line in serve.output if "pagedllm: " in line and "restart #" in line]
     died = [line for line in causes if "backend stub of model 'llm'" in line and "died:" in line]
     # Usually the supervisor finds the stub gone and says so; if tritonserver went down with it

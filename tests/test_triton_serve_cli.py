@@ -14,6 +14,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.serving.server import free_port
+from shm_regions import kill_tree
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,9 +58,7 @@ def test_serve_then_grpc_client_example_then_ctrl_c(tiny_model_dir, tmp_path: Pa
         reader.join(10)
         assert any("stopping tritonserver" in line for line in output)
     finally:
-        if serve.poll() is None:
-            serve.kill()
-            serve.wait()
+        kill_tree(serve)  # only when the test failed before its SIGINT stopped everything
 
 
 @pytest.mark.tritonserver

@@ -15,6 +15,7 @@ import pytest
 from pagedllm.serving.server import free_port
 
 pytest.importorskip("tritonclient.grpc")
+from shm_regions import kill_tree  # noqa: E402
 from test_triton_server import StreamClient, make_inputs  # noqa: E402
 
 pytestmark = pytest.mark.tritonserver
@@ -97,9 +98,7 @@ def test_ctrl_c_with_64_streams_running_stops_everything_within_30_s(tiny_model_
     finally:
         if client is not None:
             client.close()
-        if serve.poll() is None:
-            serve.kill()
-            serve.wait()
+        kill_tree(serve)  # only when the test failed before its SIGINT stopped everything
     left = [pid for pid in _group_members(server_pid) if Path(f"/proc/{pid}/stat").exists()
             and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
     assert left == []
