@@ -178,10 +178,20 @@ def test_max_tokens_cuts_the_output_with_reason_length(llm: LLM) -> None:
 
 
 def test_choice_and_its_older_spelling_through_a_dict(llm: LLM) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=20,
-                            structured_outputs=StructuredOutputsParams(choice=("alpha", "beta")))
-    (output,) = llm.generate(["pick"], params)
-    assert output.outputs[0].text in ("alpha", "beta")
+    """The params object, a plain dict, and vLLM's older ``guided_decoding`` object (with its ``backend``) in
+    Triton's ``sampling_parameters`` JSON are one constraint, with one output."""
+    from pagedllm.serving.request_codec import parse_sampling_parameters
+
+    choices = ("alpha", "beta")
+    spellings = [
+        SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=StructuredOutputsParams(choice=choices)),
+        SamplingParams(temperature=0.0, max_tokens=20, structured_outputs={"choice": list(choices)}),
+        parse_sampling_parameters(json.dumps({"temperature": 0, "max_tokens": 20, "guided_decoding": {
+            "choice": list(choices), "backend": "xgrammar"}}), "sampling_parameters"),
+    ]
+    assert len({params.structured_outputs for params in spellings}) == 1
+    texts = [output.outputs[0].text for output in llm.generate(["pick"] * len(spellings), spellings)]
+    assert texts[0] in choices and texts == [texts[0]] * len(spellings)
 
 
 @pytest.mark.parametrize("values, message", [
