@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import installed
 import shm_regions
 
 from pagedllm.serving.triton_files import find_triton_files
@@ -35,10 +36,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``@pytest.mark.tritonserver`` tests where the wheel's server is not installed."""
+    """Skip ``@pytest.mark.tritonserver`` tests where the wheel's server is not installed (fail under .ci/run)."""
     try:
         find_triton_files()
-    except FileNotFoundError:
+    except FileNotFoundError as error:
+        if installed.strict():  # .ci/run installed the wheel: its absence is a broken install, not a skip
+            raise pytest.UsageError(f"{installed.STRICT_VARIABLE}=1 and the tritonserver wheel is missing: {error}")
         skip = pytest.mark.skip(reason="nvidia-pytriton wheel (tritonserver) not installed")
         for item in items:
             if "tritonserver" in item.keywords:

@@ -17,6 +17,8 @@ from types import ModuleType
 
 import pytest
 
+from installed import need
+
 from pagedllm.bench import memory, overhead, throughput
 from pagedllm.bench.engines import ENGINES, RunResult, agreement
 from pagedllm.bench.vllm_cpu import VllmReplayer, load_vllm
@@ -266,7 +268,7 @@ def test_overhead_tiny_run_times_every_part(tmp_path: Path) -> None:
 
 @pytest.mark.tritonserver
 def test_serving_tiny_run_reports_latency_and_the_in_process_ratio(tmp_path: Path) -> None:
-    pytest.importorskip("tritonclient.grpc")
+    need("tritonclient.grpc")
     from pagedllm.bench import serving
 
     serving.run(_args(serving, "--tiny", "--rounds", "2", "--out", str(tmp_path)))

@@ -26,8 +26,9 @@ import numpy as np
 import pytest
 import requests
 
-grpcclient = pytest.importorskip("tritonclient.grpc")
-yaml = pytest.importorskip("yaml")
+from installed import need
+grpcclient = need("tritonclient.grpc")
+yaml = need("yaml")
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.serving.server import TritonServer, free_port  # noqa: E402

@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 import requests
 
-openai = pytest.importorskip("openai")
-grpcclient = pytest.importorskip("tritonclient.grpc")
+from installed import need
+openai = need("openai")
+grpcclient = need("tritonclient.grpc")
 
 from serve_process import follow, kill, wait_ready  # noqa: E402
 from pagedllm import LLM, LoRARequest, SamplingParams  # noqa: E402

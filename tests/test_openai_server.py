@@ -25,7 +25,8 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
-openai = pytest.importorskip("openai")
+from installed import need
+openai = need("openai")
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase  # noqa: E402
 

@@ -25,8 +25,9 @@ import jsonschema
 import numpy as np
 import pytest
 
-openai = pytest.importorskip("openai")
-grpcclient = pytest.importorskip("tritonclient.grpc")
+from installed import need
+openai = need("openai")
+grpcclient = need("tritonclient.grpc")
 
 from pydantic import BaseModel, Field  # noqa: E402
 

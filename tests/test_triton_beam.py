@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-grpcclient = pytest.importorskip("tritonclient.grpc")
+from installed import need
+grpcclient = need("tritonclient.grpc")
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.engine.outputs import CompletionOutput  # noqa: E402

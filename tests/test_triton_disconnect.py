@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import requests
 
-pytest.importorskip("tritonclient.grpc")
+from installed import need
+need("tritonclient.grpc")
 from test_triton_server import settled_metrics, wait_for_metrics  # noqa: E402
 
 from pagedllm.serving.server import TritonServer  # noqa: E402

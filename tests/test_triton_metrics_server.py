@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import requests
 
-pytest.importorskip("tritonclient.grpc")
+from installed import need
+need("tritonclient.grpc")
 
 from test_triton_server import MODEL, StreamClient, greedy, make_inputs, stream_once  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402

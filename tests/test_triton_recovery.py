@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 import requests
 
-pytest.importorskip("tritonclient.grpc")
+from installed import need
+need("tritonclient.grpc")
 import shm_regions  # noqa: E402
 from test_triton_server import StreamClient, StreamResult, make_inputs, greedy  # noqa: E402
 

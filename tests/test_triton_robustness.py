@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-grpcclient = pytest.importorskip("tritonclient.grpc")
+from installed import need
+grpcclient = need("tritonclient.grpc")
 
 from test_triton_server import StreamClient, StreamResult, make_inputs, metrics, wait_for_metrics  # noqa: E402
 

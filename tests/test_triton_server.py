@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import requests
 
-grpcclient = pytest.importorskip("tritonclient.grpc")
+from installed import need
+grpcclient = need("tritonclient.grpc")
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.serving.server import TritonServer  # noqa: E402

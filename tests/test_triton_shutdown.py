@@ -14,7 +14,8 @@ import pytest
 
 from pagedllm.serving.server import free_port
 
-pytest.importorskip("tritonclient.grpc")
+from installed import need
+need("tritonclient.grpc")
 from shm_regions import kill_tree  # noqa: E402
 from test_triton_server import StreamClient, make_inputs  # noqa: E402
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("tritonclient.grpc")
+from installed import need
+need("tritonclient.grpc")
 
 from test_triton_server import StreamClient, make_inputs, wait_for_metrics  # noqa: E402
 

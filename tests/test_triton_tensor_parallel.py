@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import requests
 
-pytest.importorskip("tritonclient.grpc")
+from installed import need
+need("tritonclient.grpc")
 import shm_regions  # noqa: E402
 from test_triton_recovery import (Serve, check_cut_or_whole, close_all, in_flight, start_serve,  # noqa: E402
                                   start_streams, stop_serve, wait_until)
