@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import full_run
 import installed
 import shm_regions
 
@@ -31,12 +32,26 @@ from pagedllm.testing.tiny_model import make_tiny_model
 torch.set_num_threads(1)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(full_run.OPTION, action="store_true", default=False,
+                     help="also run the long matrices (tests marked full, and the modules' full parametrizations)")
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "tritonserver: needs the tritonserver binary of the nvidia-pytriton wheel")
+    full_run.set_full(config.getoption(full_run.OPTION))  # before the test modules are imported
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``@pytest.mark.tritonserver`` tests where the wheel's server is not installed (fail under .ci/run)."""
+    """Skip ``full`` tests without ``--full``, ``gpu`` tests without CUDA, and ``tritonserver`` tests where the
+    wheel's server is not installed (that one fails under .ci/run)."""
+    if not full_run.full():
+        for item in items:
+            if "full" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason="pytest --full runs it"))
+    if not torch.cuda.is_available():
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
     try:
         find_triton_files()
     except FileNotFoundError as error:

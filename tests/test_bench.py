@@ -267,6 +267,7 @@ def test_overhead_tiny_run_times_every_part(tmp_path: Path) -> None:
 
 
 @pytest.mark.tritonserver
+@pytest.mark.server
 def test_serving_tiny_run_reports_latency_and_the_in_process_ratio(tmp_path: Path) -> None:
     need("tritonclient.grpc")
     from pagedllm.bench import serving

@@ -34,7 +34,7 @@ from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.serving.server import TritonServer, free_port  # noqa: E402
 from pagedllm.serving.triton_files import find_triton_files  # noqa: E402
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME = ROOT / "client_examples" / "kserve" / "servingruntime.yaml"

@@ -30,7 +30,7 @@ from pagedllm import LLM, LoRARequest, SamplingParams  # noqa: E402
 from pagedllm.serving.server import free_port  # noqa: E402
 from pagedllm.testing.lora_adapters import make_random_adapter  # noqa: E402
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 PROMPT = "def fibonacci(n):"
 MAX_TOKENS = 12

@@ -16,7 +16,7 @@ from pagedllm.serving.server import TritonServer  # noqa: E402
 
 from test_triton_server import MODEL, greedy, stream_once  # noqa: E402
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 MAX_MODEL_LEN = 256
 
 

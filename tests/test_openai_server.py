@@ -35,7 +35,7 @@ from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.serving.server import child_pids, free_port  # noqa: E402
 from pagedllm.testing.hub_cache import add_to_hub_cache  # noqa: E402
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 REPO_ID = "pagedllm-test/tiny-chat"
 SERVED_NAME = "tiny-chat"

@@ -40,7 +40,7 @@ from pagedllm.testing.hub_cache import add_to_hub_cache  # noqa: E402
 from pagedllm.testing.structured_corpus import ARITHMETIC_EBNF, JSON_SCHEMAS, REGEXES  # noqa: E402
 from test_openai_server import REPO_ID, SERVED_NAME, Serve  # noqa: E402
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 MESSAGES = [{"role": "user", "content": "Describe a person."}]
 PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},

@@ -3,13 +3,12 @@
 A tiny random-weight model writes noise when unconstrained, so each valid output is the
 constraint's doing. The checkpoint has more embedding rows (2100) than its tokenizer has
 tokens (2048): the padding rows must never be sampled. The whole corpus runs in one batch
-(fast); ``PAGEDLLM_STRUCTURED_FULL=1`` also runs every constraint with ``n = 4`` and under
+(fast); ``pytest --full`` also runs every constraint with ``n = 4`` and under
 preemption (by default a few of each).
 """
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -17,12 +16,14 @@ from typing import Any
 import jsonschema
 import pytest
 
+import full_run
+
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.engine.outputs import FinalOutput
 from pagedllm.testing.structured_corpus import ARITHMETIC_EBNF, CHOICES, JSON_SCHEMAS, REGEXES
 from pagedllm.testing.tiny_model import make_tiny_model
 
-FULL = os.environ.get("PAGEDLLM_STRUCTURED_FULL") == "1"
+FULL = full_run.full()
 TOKENIZER_TOKENS = 2048
 EMBEDDING_ROWS = 2100
 MAX_TOKENS = 150

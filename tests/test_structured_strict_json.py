@@ -8,13 +8,12 @@ grammar shows up as output that strict ``json.loads`` refuses (mlc-ai/xgrammar#8
 Every sample that ended with ``stop`` must parse strictly and validate; every ``length``
 cut must be a prefix the production grammar accepts, token by token.
 
-By default one batch of ``DEFAULT_SCHEMAS`` schemas (about 20 s); ``PAGEDLLM_STRUCTURED_FULL=1``
+By default one batch of ``DEFAULT_SCHEMAS`` schemas (about 20 s); ``pytest --full``
 runs ``FULL_SCHEMAS`` with more samples each.
 """
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 from typing import Any
@@ -23,11 +22,13 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
+import full_run
+
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.engine.grammar_compiler import GrammarCompiler
 from pagedllm.testing.tiny_model import make_tiny_model
 
-FULL = os.environ.get("PAGEDLLM_STRUCTURED_FULL") == "1"
+FULL = full_run.full()
 DEFAULT_SCHEMAS, FULL_SCHEMAS = 64, 400
 SAMPLES = 4 if FULL else 2
 MAX_TOKENS = 96

@@ -9,7 +9,7 @@ not divide by two, tied embeddings, and biases on the row-parallel o_proj and
 down_proj (added once, after the all-reduce).
 
 The default run takes llama through the whole matrix (each architecture costs
-~40 s on two cores); ``PAGEDLLM_FULL_TP_MATRIX=1`` runs mistral, qwen2 and
+~40 s on two cores); ``pytest --full`` runs mistral, qwen2 and
 qwen3 through it too.
 """
 from __future__ import annotations
@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import full_run
+
 from pagedllm import LLM, SamplingParams
 from pagedllm.parallel.workers import WorkerDied
 from pagedllm.planning.kv_math import kv_bytes_per_token
@@ -36,7 +38,7 @@ from pagedllm.worker.model_runner import ModelRunner
 from test_engine_exactness import (ARCHS, NEW_TOKENS, assert_matches_reference, generate,  # noqa: E402
                                    random_prompts, shared_prefix_prompts)
 
-FULL_MATRIX = os.environ.get("PAGEDLLM_FULL_TP_MATRIX") == "1"
+FULL_MATRIX = full_run.full()
 MATRIX_ARCHS = ARCHS if FULL_MATRIX else ("llama",)
 BEAM = SamplingParams(beam_width=3, n=2, max_tokens=12, temperature=0.0, ignore_eos=True)
 

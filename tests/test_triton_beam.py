@@ -18,7 +18,7 @@ from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.engine.outputs import CompletionOutput  # noqa: E402
 from pagedllm.serving.server import TritonServer  # noqa: E402
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 MODEL = "llm"
 MAX_NUM_SEQS = 8

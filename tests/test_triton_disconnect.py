@@ -21,7 +21,7 @@ from test_triton_server import settled_metrics, wait_for_metrics  # noqa: E402
 
 from pagedllm.serving.server import TritonServer  # noqa: E402
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 MAX_MODEL_LEN = 1024
 # Long enough that the request is still generating when the checks run (a few seconds on a busy CPU).

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from pagedllm.serving.server import TritonServer  # noqa: E402
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO_ROOT / "client_examples" / "grafana" / "pagedllm-dashboard.json"

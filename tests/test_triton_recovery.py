@@ -37,7 +37,7 @@ from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.serving.server import child_pids, free_port  # noqa: E402
 from pagedllm.serving.supervision import DIR_VARIABLE, FAULT_INJECTION_VARIABLE, SupervisionFolder  # noqa: E402
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NUM_STREAMS = 16

@@ -30,7 +30,7 @@ from test_triton_server import StreamClient, StreamResult, make_inputs, metrics,
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.serving.server import TritonServer  # noqa: E402
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 MAX_MODEL_LEN = 1024
 NUM_KV_BLOCKS = 256

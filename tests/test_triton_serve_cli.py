@@ -20,6 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.tritonserver
+@pytest.mark.server
 def test_serve_then_grpc_client_example_then_ctrl_c(tiny_model_dir, tmp_path: Path) -> None:
     model = tiny_model_dir("llama")
     version = tmp_path / "repo" / "llm" / "1"
@@ -62,6 +63,7 @@ def test_serve_then_grpc_client_example_then_ctrl_c(tiny_model_dir, tmp_path: Pa
 
 
 @pytest.mark.tritonserver
+@pytest.mark.server
 def test_stop_reaps_the_stub_of_a_server_that_died(tiny_model_dir, tmp_path: Path) -> None:
     from pagedllm.serving.server import TritonServer
 

@@ -31,7 +31,7 @@ MINIMAL_CONFIG = 'backend: "pagedllm"\ninstance_group [ { count: 1 kind: KIND_MO
 WORDS = ["def", "class", "import", "return", "while", "for", "print", "self", "value", "lambda", "yield", "try"]
 
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 
 @pytest.fixture(scope="module")

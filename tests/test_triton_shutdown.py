@@ -19,7 +19,7 @@ need("tritonclient.grpc")
 from shm_regions import kill_tree  # noqa: E402
 from test_triton_server import StreamClient, make_inputs  # noqa: E402
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NUM_STREAMS = 64

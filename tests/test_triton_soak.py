@@ -25,7 +25,7 @@ from test_triton_server import StreamClient, make_inputs, wait_for_metrics  # no
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.serving.server import TritonServer  # noqa: E402
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 NUM_REQUESTS = 200
 CONCURRENCY = 64

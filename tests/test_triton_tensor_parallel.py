@@ -10,7 +10,7 @@ every process within 30 s and leaves no shared-memory region behind.
 
 Each restart reloads a two-rank engine (~30 s on two busy cores), so the default run
 keeps the exact streams and the killed worker (the crash-loop rule itself is unit-tested in
-``test_triton_recovery_units.py``); ``PAGEDLLM_FULL_TP_SERVER=1`` adds the killed stub, the
+``test_triton_recovery_units.py``); ``pytest --full`` adds the killed stub, the
 crash loop and the SIGINT server.
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import requests
 
+
 from installed import need
 need("tritonclient.grpc")
 import shm_regions  # noqa: E402
@@ -36,12 +37,11 @@ from pagedllm.engine.core_process import CHILD_MARKER  # noqa: E402
 from pagedllm.parallel.workers import WORKER_MARKER  # noqa: E402
 from pagedllm.serving.server import child_pids, free_port  # noqa: E402
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 ENGINE_ARGS = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "num_kv_blocks": 400, "max_num_seqs": 32}
 MAX_RELOADS = 2  # the killed worker of one test, then the crash loop of the next
-FULL = os.environ.get("PAGEDLLM_FULL_TP_SERVER") == "1"
-full_only = pytest.mark.skipif(not FULL, reason="PAGEDLLM_FULL_TP_SERVER=1 runs it (a restart costs ~30 s)")
+full_only = pytest.mark.full  # a restart costs ~30 s
 
 
 @pytest.fixture(scope="module")
