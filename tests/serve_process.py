@@ -5,6 +5,8 @@ import subprocess
 import threading
 import time
 
+from shm_regions import kill_tree
+
 READY_LINE = "Ctrl-C stops the server"
 
 
@@ -22,6 +24,5 @@ def wait_ready(process: subprocess.Popen[str], output: list[str], timeout_s: flo
 
 
 def kill(process: subprocess.Popen[str]) -> None:
-    if process.poll() is None:
-        process.kill()
-        process.wait()
+    """SIGKILL the server with tritonserver and the stubs under it, and remove the regions they leave."""
+    kill_tree(process)

@@ -3,23 +3,24 @@
 Each family of ``backend/kernels/attention_tiles.py`` gets one batch that lands in it
 (decode-only for ``decode``, a mixed prefill + decode batch for ``prefill``),
 and the test checks that the launch used that entry's settings and that its
-output matches ``unified_attention_ref``. ``PAGEDLLM_FULL_ATTENTION_TILES=1``
+output matches ``unified_attention_ref``. ``pytest --full``
 runs every family at several GQA groups and split counts instead of one case each.
 """
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
+
+import full_run
 
 from pagedllm.kernels import unified_attention_ref
 from pagedllm.kernels.attention_launch import plan_unified_attention, unified_attention_planned
 from pagedllm.kernels.attention_tiles import HOPPER_TILES, HEAD_BUCKETS, PHASES, PRECISIONS, TileFamily, tile_config
 from pagedllm.testing.paged_batch import random_paged_batch
 
-FULL_MATRIX = os.environ.get("PAGEDLLM_FULL_ATTENTION_TILES") == "1"
+FULL_MATRIX = full_run.full()
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 HEAD_DIMS = {64: 48, 128: 96, 256: 160}  # unpadded head sizes that pad into each bucket
 BLOCK_SIZE = 16

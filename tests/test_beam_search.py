@@ -7,7 +7,7 @@ tokens with stop ids taken from the model's own greedy output, so some
 hypotheses end early. Each prompt of each architecture runs one of the 16
 combinations: every combination runs at least once (most on two
 architectures) and every architecture sees eight, with both values of every
-parameter (set ``PAGEDLLM_FULL_BEAM_MATRIX=1`` for the whole product: 512
+parameter (set ``pytest --full`` for the whole product: 512
 searches a side, several minutes on two cores). The
 reference runs with ``num_return_sequences=beam_width``: ``n`` only picks how many
 of the same sorted hypotheses come back.
@@ -19,7 +19,6 @@ prefill; beam groups preempted and recomputed), with prefix caching off and on.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -27,6 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+
+import full_run
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.beam_search import shared_full_blocks
@@ -36,7 +37,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 NEW_TOKENS = 32
 SCORE_TOLERANCE = 1e-4
 COMBOS = tuple((k, n, lp, es) for k in (2, 4) for n in (1, k) for lp in (1.0, 0.5) for es in (False, True))
-FULL_MATRIX = os.environ.get("PAGEDLLM_FULL_BEAM_MATRIX") == "1"
+FULL_MATRIX = full_run.full()
 TIGHT = {"num_kv_blocks": 24, "max_num_batched_tokens": 24}
 SETUPS = {
     "prefix-caching": {"enable_prefix_caching": True, "max_num_seqs": 8},

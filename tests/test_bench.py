@@ -17,6 +17,8 @@ from types import ModuleType
 
 import pytest
 
+from installed import need
+
 from pagedllm_bench import memory, overhead, throughput
 from pagedllm_bench.engines import ENGINES, RunResult, agreement
 from pagedllm_bench.vllm_cpu import VllmReplayer, load_vllm
@@ -265,8 +267,9 @@ def test_overhead_tiny_run_times_every_part(tmp_path: Path) -> None:
 
 
 @pytest.mark.tritonserver
+@pytest.mark.server
 def test_serving_tiny_run_reports_latency_and_the_in_process_ratio(tmp_path: Path) -> None:
-    pytest.importorskip("tritonclient.grpc")
+    need("tritonclient.grpc")
     from pagedllm_bench import serving
 
     serving.run(_args(serving, "--tiny", "--rounds", "2", "--out", str(tmp_path)))

@@ -364,17 +364,18 @@ def test_a_request_whose_admission_kills_the_loop_gets_its_answer() -> None:
 
 
 def test_stop_is_bounded_when_a_step_hangs() -> None:
-    release = threading.Event()
+    release, inside = threading.Event(), threading.Event()
 
     class HangingEngine(FakeEngine):
         def step(self) -> list[RequestOutput]:
-            release.wait(10)
+            inside.set()
+            release.wait(60)
             return super().step()
 
     loop = EngineLoop(HangingEngine()).start()
     loop.submit_nowait("a", "a", SamplingParams(max_tokens=5), Collector().on_output)
-    time.sleep(0.1)
     try:
+        assert inside.wait(30), "the loop never entered a step"
         assert loop.stop(timeout_s=0.2) is False
         assert not loop.healthy
     finally:

@@ -18,7 +18,8 @@ from pagedllm.layers.quantization import CheckpointQuantization, QuantizedWeight
 from pagedllm.distributed.sharding import RowRange
 from pagedllm.testing.quantized_checkpoint import make_quantized_checkpoint
 
-pytest.importorskip("compressed_tensors")
+from installed import need
+need("compressed_tensors")
 
 FP8_CHANNEL = WeightScheme(FP8_DTYPE, per_channel=True, activations="dynamic")
 

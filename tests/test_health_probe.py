@@ -10,6 +10,8 @@ import pytest
 
 from pagedllm.serving.health import probe_model
 
+pytestmark = pytest.mark.server  # a stand-in Triton HTTP server on a local port
+
 
 class FakeTriton:
     """Answers generate after ``delay_s`` and serves a generated-token counter that grows by ``rate`` per read."""

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-dockerfile = pytest.importorskip("dockerfile")
-docker_build = pytest.importorskip("docker.utils.build")
+from installed import need
+dockerfile = need("dockerfile")
+docker_build = need("docker.utils.build")
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "client_examples" / "kserve" / "Dockerfile"

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
-yaml = pytest.importorskip("yaml")
-jsonschema = pytest.importorskip("jsonschema")
+from installed import need
+yaml = need("yaml")
+jsonschema = need("jsonschema")
 
 from pagedllm.serving.engine_args import load_engine_config  # noqa: E402
 

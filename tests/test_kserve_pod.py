@@ -26,15 +26,16 @@ import numpy as np
 import pytest
 import requests
 
-grpcclient = pytest.importorskip("tritonclient.grpc")
-yaml = pytest.importorskip("yaml")
+from installed import need
+grpcclient = need("tritonclient.grpc")
+yaml = need("yaml")
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.platform.processes import free_port  # noqa: E402
 from pagedllm.serving.server import TritonServer  # noqa: E402
 from pagedllm.serving.triton_files import find_triton_files  # noqa: E402
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME = ROOT / "client_examples" / "kserve" / "servingruntime.yaml"

@@ -3,11 +3,10 @@
 Adapters are built with ``peft`` (``get_peft_model``, random ``lora_B`` so they change the output,
 ``save_pretrained``); the reference is ``merge_and_unload()`` then transformers' ``generate``. Three adapters differ
 in rank, alpha, rslora and targets (attention-only, all-linear, a mix). Divergence is allowed only at an exact
-top-two tie of the reference. ``PAGEDLLM_FULL_LORA_MATRIX=1`` adds more architectures and prompts.
+top-two tie of the reference. ``pytest --full`` adds more architectures and prompts.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +16,11 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
+import full_run
+
 from pagedllm import LLM, LoRARequest, SamplingParams
 
-FULL = os.environ.get("PAGEDLLM_FULL_LORA_MATRIX") == "1"
+FULL = full_run.full()
 ARCHS = ("llama", "qwen3", "mistral", "qwen2") if FULL else ("llama", "qwen3")
 NEW_TOKENS = 16
 TIE = 1e-4

@@ -21,15 +21,16 @@ import numpy as np
 import pytest
 import requests
 
-openai = pytest.importorskip("openai")
-grpcclient = pytest.importorskip("tritonclient.grpc")
+from installed import need
+openai = need("openai")
+grpcclient = need("tritonclient.grpc")
 
 from serve_process import follow, kill, wait_ready  # noqa: E402
 from pagedllm import LLM, LoRARequest, SamplingParams  # noqa: E402
 from pagedllm.platform.processes import free_port  # noqa: E402
 from pagedllm.testing.lora_adapters import make_random_adapter  # noqa: E402
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 PROMPT = "def fibonacci(n):"
 MAX_TOKENS = 12

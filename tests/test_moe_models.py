@@ -11,12 +11,11 @@ The default run takes each architecture through logits against transformers'
 forward and greedy decoding with the defaults, then one architecture each
 through a tight KV pool (preemption and chunked prefill asserted),
 prefix-cache hits, beam search, ``norm_topk_prob`` flipped, and tensor
-parallelism over two ranks. ``PAGEDLLM_FULL_MOE_MATRIX=1`` runs every
+parallelism over two ranks. ``pytest --full`` runs every
 architecture through all of them.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -24,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+
+import full_run
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.llama import MLP
@@ -34,7 +35,7 @@ from test_beam_search import reference as beam_reference  # noqa: E402
 from test_models import load, make_caches, make_sequences, reference_logits, run_step  # noqa: E402
 
 ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe")
-FULL_MATRIX = os.environ.get("PAGEDLLM_FULL_MOE_MATRIX") == "1"
+FULL_MATRIX = full_run.full()
 NEW_TOKENS = 24
 TIE = 1e-4
 # Packed CPU GEMMs add in another order than transformers' F.linear; through four MoE layers the float32

@@ -8,14 +8,15 @@ from pathlib import Path
 
 import pytest
 
-grpcclient = pytest.importorskip("tritonclient.grpc")
+from installed import need
+grpcclient = need("tritonclient.grpc")
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.serving.server import TritonServer  # noqa: E402
 
 from test_triton_server import MODEL, greedy, stream_once  # noqa: E402
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 MAX_MODEL_LEN = 256
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("fastapi")
+from installed import need
+need("fastapi")
 
 from fastapi.testclient import TestClient  # noqa: E402
 

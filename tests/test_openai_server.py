@@ -25,7 +25,8 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
-openai = pytest.importorskip("openai")
+from installed import need
+openai = need("openai")
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase  # noqa: E402
 
@@ -34,7 +35,7 @@ from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.platform.processes import child_pids, free_port  # noqa: E402
 from pagedllm.testing.hub_cache import add_to_hub_cache  # noqa: E402
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 REPO_ID = "pagedllm-test/tiny-chat"
 SERVED_NAME = "tiny-chat"

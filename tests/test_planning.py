@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -136,5 +137,35 @@ def test_cli_says_plainly_when_a_plan_does_not_fit(capsys: pytest.CaptureFixture
     assert code == 2
     assert "does not fit: Llama-3.1-70B's weights need 131.4 GiB per GPU" in err
     assert "try:\n  - --tensor-parallel-size 8 (8 × A10G per replica) with --max-model-len" in err
-    assert main(["plan", "--model", "Llama-3.1-8B", "--json"]) == 2
+    assert main(["plan", "--model", "Llama-3.1-8B", "--plot", "plan.png"]) == 2
     assert "no traffic to plan for" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model, extra", [
+    ("Llama-3.1-8B", []),
+    ("Mixtral-8x7B", ["--tensor-parallel-size", "2", "--max-model-len", "16384"]),
+])
+def test_cli_json_without_traffic_has_the_tables_fields(model: str, extra: list[str],
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", model, "--gpu", "H200", *extra]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = dict(re.findall(r"^(\S[^\n]*?)  +(\S[^\n]*)$", table, flags=re.MULTILINE))
+    assert rows["model"].startswith(f"{data['model']} ({data['num_params'] / 1e9:.2f}B parameters, {data['dtype']}")
+    assert rows["hardware"] == f"{data['tensor_parallel_size']} × H200 ({data['gpu_memory_gib']:.1f} GiB)"
+    assert rows["weights per GPU"] == f"{data['weights_bytes_per_gpu'] / 2**30:.2f} GiB"
+    assert rows["KV bytes per token"] == f"{data['kv_bytes_per_token']:,}"
+    assert rows["KV blocks"] == (f"{data['num_kv_blocks']:,} × {data['block_size']} tokens = {data['kv_tokens']:,} "
+                                 f"tokens ({data['kv_budget_bytes'] / 2**30:.2f} GiB)")
+    assert rows["max concurrency"] == f"{data['max_concurrency']:.2f}× at max_model_len {data['max_model_len']:,}"
+    lengths = re.findall(r"^ +([\d,]+) +([\d.]+)×$", table, flags=re.MULTILINE)
+    assert {n.replace(",", ""): float(c) for n, c in lengths} == pytest.approx(data["max_model_len_table"], abs=0.006)
+    moe = "active parameters" in rows
+    assert moe == (model == "Mixtral-8x7B") == ("active_params" in data)
+    if moe:
+        assert rows["active parameters"].startswith(f"{data['active_params'] / 1e9:.2f}B per token")
+        read = ", ".join(f"{v / 2**30:.2f} GiB at {b} seqs" for b, v in data["weight_bytes_read_per_gpu_by_seqs"].items())
+        assert re.sub(r" \([\d.]+ experts\)", "", rows["active bytes per decode step"]) == read + " per GPU"
+    assert not {"steps", "ttft_p99", "replicas_needed"} & data.keys()  # latency and replicas need traffic

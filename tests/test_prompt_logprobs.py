@@ -22,15 +22,24 @@ def _transformers_logprobs(model_dir: str, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("arch", ["qwen2"])
-def test_prompt_logprobs_equal_transformers_with_chunks_and_a_cached_prefix(tiny_model_dir, arch: str) -> None:
+def test_prompt_logprobs_equal_transformers_with_chunks_and_the_prompt_already_cached(tiny_model_dir,
+                                                                                     arch: str) -> None:
+    """A cached prompt prefix holds no logits, so a prompt_logprobs request computes every position itself:
+    the prompt is in the prefix cache (a plain request hits it), the prompt_logprobs request bypasses it."""
     model_dir = str(tiny_model_dir(arch))
     # 24-token chunks: the prompt spans several steps, and later chunks attend to earlier ones
     llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=24, num_kv_blocks=64, attention_backend="torch")
     ids = llm.tokenizer(PROMPT)["input_ids"]
     assert len(ids) > 60
-    llm.generate([PROMPT], SamplingParams(max_tokens=2, temperature=0.0))  # leaves the prompt in the prefix cache
+    plain = SamplingParams(max_tokens=2, temperature=0.0)
+    llm.generate([PROMPT], plain)  # leaves the prompt in the prefix cache
+    hits = llm.stats().prefix_cache_hit_tokens
+    llm.generate([PROMPT], plain)
+    cached = llm.stats().prefix_cache_hit_tokens
+    assert cached - hits >= 48, "the prompt's full blocks should be in the prefix cache"
     params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=3)
     (out,) = llm.generate([PROMPT], params)
+    assert llm.stats().prefix_cache_hit_tokens == cached, "a prompt_logprobs request must not start from the cache"
     expected = _transformers_logprobs(model_dir, ids)
     got = out.prompt_logprobs
     assert got is not None and len(got) == len(ids) and got[0] is None

@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM
 from pagedllm import LLM, SamplingParams
 from pagedllm.testing.quantized_checkpoint import make_quantized_checkpoint
 
-pytest.importorskip("compressed_tensors")
+from installed import need
+need("compressed_tensors")
 
 PROMPTS = [[5, 17, 301, 42, 9, 77, 1200], list(range(30, 90, 3)), [999, 3, 4, 5]]
 NEW_TOKENS = 12

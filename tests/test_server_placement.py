@@ -78,6 +78,8 @@ def _engine_child(server_pid: int) -> int:
     raise AssertionError("no engine core process under the server")
 
 
+@pytest.mark.tritonserver
+@pytest.mark.server
 def test_a_bound_model_moves_tritonservers_threads_and_unloading_it_gives_them_back(
     tiny_model_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:

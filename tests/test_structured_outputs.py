@@ -3,13 +3,12 @@
 A tiny random-weight model writes noise when unconstrained, so each valid output is the
 constraint's doing. The checkpoint has more embedding rows (2100) than its tokenizer has
 tokens (2048): the padding rows must never be sampled. The whole corpus runs in one batch
-(fast); ``PAGEDLLM_STRUCTURED_FULL=1`` also runs every constraint with ``n = 4`` and under
+(fast); ``pytest --full`` also runs every constraint with ``n = 4`` and under
 preemption (by default a few of each).
 """
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -17,12 +16,14 @@ from typing import Any
 import jsonschema
 import pytest
 
+import full_run
+
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.engine.outputs import FinalOutput
 from pagedllm.testing.structured_corpus import ARITHMETIC_EBNF, CHOICES, JSON_SCHEMAS, REGEXES
 from pagedllm.testing.tiny_model import make_tiny_model
 
-FULL = os.environ.get("PAGEDLLM_STRUCTURED_FULL") == "1"
+FULL = full_run.full()
 TOKENIZER_TOKENS = 2048
 EMBEDDING_ROWS = 2100
 MAX_TOKENS = 150
@@ -57,12 +58,12 @@ def as_xgrammar_reads(text: str) -> str:
 
 
 def assert_valid(constraint: dict[str, Any], text: str) -> None:
-    # strict=False: xgrammar's JSON strings admit raw control characters other than CR and LF (README).
+    # Strict JSON: bounded strings are rewritten so they hold no raw control character (README).
     kind, value = next(iter(constraint.items()))
     if kind == "json":
-        jsonschema.validate(json.loads(as_xgrammar_reads(text), strict=False), value)
+        jsonschema.validate(json.loads(as_xgrammar_reads(text)), value)
     elif kind == "json_object":
-        assert isinstance(json.loads(text, strict=False), dict), text
+        assert isinstance(json.loads(text), dict), text
     elif kind == "regex":
         assert re.fullmatch(value, text), (value, text)
     elif kind == "choice":
@@ -178,10 +179,20 @@ def test_max_tokens_cuts_the_output_with_reason_length(llm: LLM) -> None:
 
 
 def test_choice_and_its_older_spelling_through_a_dict(llm: LLM) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=20,
-                            structured_outputs=StructuredOutputsParams(choice=("alpha", "beta")))
-    (output,) = llm.generate(["pick"], params)
-    assert output.outputs[0].text in ("alpha", "beta")
+    """The params object, a plain dict, and vLLM's older ``guided_decoding`` object (with its ``backend``) in
+    Triton's ``sampling_parameters`` JSON are one constraint, with one output."""
+    from pagedllm.serving.triton.request_codec import parse_sampling_parameters
+
+    choices = ("alpha", "beta")
+    spellings = [
+        SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=StructuredOutputsParams(choice=choices)),
+        SamplingParams(temperature=0.0, max_tokens=20, structured_outputs={"choice": list(choices)}),
+        parse_sampling_parameters(json.dumps({"temperature": 0, "max_tokens": 20, "guided_decoding": {
+            "choice": list(choices), "backend": "xgrammar"}}), "sampling_parameters"),
+    ]
+    assert len({params.structured_outputs for params in spellings}) == 1
+    texts = [output.outputs[0].text for output in llm.generate(["pick"] * len(spellings), spellings)]
+    assert texts[0] in choices and texts == [texts[0]] * len(spellings)
 
 
 @pytest.mark.parametrize("values, message", [
@@ -220,6 +231,6 @@ def test_json_object_outputs_are_objects(llm: LLM) -> None:
     ended = [o.outputs[0].text for o in outputs if o.outputs[0].finish_reason == "stop"]
     assert ended
     for text in ended:
-        assert isinstance(json.loads(text, strict=False), dict), text
+        assert isinstance(json.loads(text), dict), text
     for output in outputs:
         assert output.outputs[0].text.startswith("{")

@@ -9,7 +9,7 @@ not divide by two, tied embeddings, and biases on the row-parallel o_proj and
 down_proj (added once, after the all-reduce).
 
 The default run takes llama through the whole matrix (each architecture costs
-~40 s on two cores); ``PAGEDLLM_FULL_TP_MATRIX=1`` runs mistral, qwen2 and
+~40 s on two cores); ``pytest --full`` runs mistral, qwen2 and
 qwen3 through it too.
 """
 from __future__ import annotations
@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import full_run
+
 from pagedllm import LLM, SamplingParams
 from pagedllm.executor.workers import WorkerDied
 from pagedllm.planning.kv_math import kv_bytes_per_token
@@ -36,7 +38,7 @@ from pagedllm.worker.model_runner import ModelRunner
 from test_engine_exactness import (ARCHS, NEW_TOKENS, assert_matches_reference, generate,  # noqa: E402
                                    random_prompts, shared_prefix_prompts)
 
-FULL_MATRIX = os.environ.get("PAGEDLLM_FULL_TP_MATRIX") == "1"
+FULL_MATRIX = full_run.full()
 MATRIX_ARCHS = ARCHS if FULL_MATRIX else ("llama",)
 BEAM = SamplingParams(beam_width=3, n=2, max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -131,6 +133,29 @@ def test_killed_worker_fails_the_step_naming_its_rank(tiny_model_dir: Callable[[
             llm.generate("def f(x):", SamplingParams(max_tokens=8))
     finally:
         llm.close()
+
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def test_a_second_tp_llm_names_the_open_one_and_takes_over_from_a_dropped_one(
+        tiny_model_dir: Callable[[str], Path]) -> None:
+    model = str(tiny_model_dir("llama"))
+    first = LLM(model, tensor_parallel_size=2)
+    (worker,) = first.engine.workers.pids()
+    with pytest.raises(RuntimeError, match=r"LLM is still open in this process .* call close\(\) on it") as error:
+        LLM(model, tensor_parallel_size=2)
+    assert "\n" not in str(error.value)
+    del error
+    assert _alive(worker)
+    expected = first.generate("def f(x):", GREEDY)[0].outputs[0].token_ids  # the open one is unharmed
+    del first  # dropped without close(), as notebooks do
+    second = LLM(model, tensor_parallel_size=2)
+    try:
+        assert not _alive(worker), "the dropped engine's worker is still running"
+        assert second.generate("def f(x):", GREEDY)[0].outputs[0].token_ids == expected
+    finally:
+        second.close()
 
 
 def test_workers_do_not_outlive_a_killed_engine(tiny_model_dir: Callable[[str], Path]) -> None:

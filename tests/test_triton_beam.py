@@ -11,13 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-grpcclient = pytest.importorskip("tritonclient.grpc")
+from installed import need
+grpcclient = need("tritonclient.grpc")
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.engine.outputs import CompletionOutput  # noqa: E402
 from pagedllm.serving.server import TritonServer  # noqa: E402
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 MODEL = "llm"
 MAX_NUM_SEQS = 8

@@ -16,14 +16,15 @@ from pathlib import Path
 import pytest
 import requests
 
-pytest.importorskip("tritonclient.grpc")
+from installed import need
+need("tritonclient.grpc")
 
 from test_triton_server import MODEL, StreamClient, greedy, make_inputs, stream_once  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from pagedllm.serving.server import TritonServer  # noqa: E402
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO_ROOT / "client_examples" / "grafana" / "pagedllm-dashboard.json"

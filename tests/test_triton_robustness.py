@@ -22,14 +22,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-grpcclient = pytest.importorskip("tritonclient.grpc")
+from installed import need
+grpcclient = need("tritonclient.grpc")
 
 from test_triton_server import StreamClient, StreamResult, make_inputs, metrics, wait_for_metrics  # noqa: E402
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.serving.server import TritonServer  # noqa: E402
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 MAX_MODEL_LEN = 1024
 NUM_KV_BLOCKS = 256

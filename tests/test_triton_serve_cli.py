@@ -14,11 +14,13 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.platform.processes import free_port
+from shm_regions import kill_tree
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.tritonserver
+@pytest.mark.server
 def test_serve_then_grpc_client_example_then_ctrl_c(tiny_model_dir, tmp_path: Path) -> None:
     model = tiny_model_dir("llama")
     version = tmp_path / "repo" / "llm" / "1"
@@ -57,12 +59,11 @@ def test_serve_then_grpc_client_example_then_ctrl_c(tiny_model_dir, tmp_path: Pa
         reader.join(10)
         assert any("stopping tritonserver" in line for line in output)
     finally:
-        if serve.poll() is None:
-            serve.kill()
-            serve.wait()
+        kill_tree(serve)  # only when the test failed before its SIGINT stopped everything
 
 
 @pytest.mark.tritonserver
+@pytest.mark.server
 def test_stop_reaps_the_stub_of_a_server_that_died(tiny_model_dir, tmp_path: Path) -> None:
     from pagedllm.serving.server import TritonServer
 

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import requests
 
-grpcclient = pytest.importorskip("tritonclient.grpc")
+from installed import need
+grpcclient = need("tritonclient.grpc")
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.serving.server import TritonServer  # noqa: E402
@@ -30,7 +31,7 @@ MINIMAL_CONFIG = 'backend: "pagedllm"\ninstance_group [ { count: 1 kind: KIND_MO
 WORDS = ["def", "class", "import", "return", "while", "for", "print", "self", "value", "lambda", "yield", "try"]
 
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 
 @pytest.fixture(scope="module")

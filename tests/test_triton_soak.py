@@ -17,14 +17,15 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("tritonclient.grpc")
+from installed import need
+need("tritonclient.grpc")
 
 from test_triton_server import StreamClient, make_inputs, wait_for_metrics  # noqa: E402
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.serving.server import TritonServer  # noqa: E402
 
-pytestmark = pytest.mark.tritonserver
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 NUM_REQUESTS = 200
 CONCURRENCY = 64

@@ -7,7 +7,8 @@ tokens are the engine's EOS ids, so a grammar allows EOS only where it may end.
 
 JSON schemas and ``json_object`` compile to one layout, ``json.dumps``'s (``", "`` and
 ``": "``, no other whitespace): a model cannot spend its ``max_tokens`` on whitespace
-that xgrammar would otherwise allow without end.
+that xgrammar would otherwise allow without end. Length-bounded strings are rewritten
+first (:mod:`pagedllm.engine.json_string_bounds`), so they stay strict JSON.
 
 The compile runs off the engine's step path: xgrammar releases the GIL while it
 compiles. A compile cannot be interrupted, so a request that gives up on one (the
@@ -31,6 +32,7 @@ from concurrent.futures import Future
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
+from pagedllm.engine.json_string_bounds import bounded_strings_as_patterns
 from pagedllm.core.structured_outputs_params import StructuredOutputsParams
 
 CACHE_ENTRIES = 256
@@ -107,7 +109,8 @@ class GrammarCompiler:
         kind = constraint.kind
         try:
             if kind == "json":
-                return compiler.compile_json_schema(constraint.json or "", any_whitespace=False)
+                schema = bounded_strings_as_patterns(json.loads(constraint.json or ""))
+                return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
             if kind == "json_object":
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if kind == "regex":

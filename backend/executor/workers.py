@@ -12,15 +12,23 @@ A worker that dies makes rank 0's next collective fail at once (gloo sees the
 closed connection); :meth:`WorkerGroup.check` then names the rank and how it
 ended, and the engine raises :class:`WorkerDied`, which ends the engine core so
 that the serving layer's recovery starts a fresh one with fresh workers.
+
+An engine dropped without ``close()`` (``del llm`` in a notebook) still releases its
+group: a ``weakref.finalize`` kills its workers and leaves torch.distributed's default
+group once the group object is collected, and a new group first collects garbage so a
+dropped one is released before the next takes its place. One still in use is reported
+in one line instead of torch's "default process group twice".
 """
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import gc
 import subprocess
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +78,7 @@ class WorkerGroup:
     """Ranks 1..size-1 as child processes, and this process as rank 0 of their group."""
 
     def __init__(self, size: int, device: torch.device) -> None:
+        _check_group_is_free()
         self.size = size
         self.device = device
         threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else torch.get_num_threads()
@@ -86,10 +95,12 @@ class WorkerGroup:
             self._processes.append(subprocess.Popen(
                 command, env={**env, "RANK": str(rank), DEVICE_ENV: str(rank_device)}))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        # Holds the processes, not self: it runs when this group is collected without close().
+        self._release = weakref.finalize(self, _release, self._processes)
         try:
             self.tp: TensorParallel = join_group(0, size, device)
         except BaseException:
-            self._kill()
+            self._release()
             raise
 
     def send(self, item: Any) -> None:
@@ -131,17 +142,29 @@ class WorkerGroup:
                 process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        self._kill()
-        leave_group()
+        self._release()
 
     def pids(self) -> list[int]:
         return [process.pid for process in self._processes]
 
-    def _kill(self) -> None:
-        for process in self._processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+
+def _release(processes: list[subprocess.Popen[bytes]]) -> None:
+    """Kill the workers still running and leave the group; once per group (a ``weakref.finalize``)."""
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    leave_group()
+
+
+def _check_group_is_free() -> None:
+    """One engine group per process: collect a dropped engine's, and name the fix when one is still open."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    gc.collect()  # an LLM dropped without close() releases its group when collected
+    if dist.is_initialized():
+        raise RuntimeError("a tensor-parallel LLM is still open in this process (torch.distributed's default group "
+                           "is taken): call close() on it, or use `with LLM(...) as llm:`, before starting another")
 
 
 def check_size(size: int, device: torch.device, model_dir: str) -> None:

@@ -86,15 +86,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _capacity_only(args: argparse.Namespace) -> int:
-    """Without traffic: the weights, the bytes a decode step reads and the KV capacity, no replay."""
+    """Without traffic: the weights, the bytes a decode step reads and the KV capacity, no replay
+    (``--json``: the same fields as numbers; latency and replica fields need traffic)."""
     from pagedllm.planning import feasibility
-    from pagedllm.planning.plan import capacity_summary
+    from pagedllm.planning.plan import capacity_json, capacity_summary
 
-    if args.json or args.plot is not None or args.ttft_p99 is not None or args.tpot_p99 is not None:
-        raise ValueError("no traffic to plan for: --json, --plot and SLOs need --workload FILE or --qps Q "
+    if args.plot is not None or args.ttft_p99 is not None or args.tpot_p99 is not None:
+        raise ValueError("no traffic to plan for: --plot and SLOs need --workload FILE or --qps Q "
                          "(with --prompt-len, --output-len, --duration)")
     deployment = _deployment(args)
-    print(capacity_summary(deployment, feasibility.check(deployment, ())))
+    cap = feasibility.check(deployment, ())
+    print(json.dumps(capacity_json(deployment, cap), indent=1) if args.json else capacity_summary(deployment, cap))
     print("(no traffic given: --workload FILE or --qps Q replays it for latency and replicas)", file=sys.stderr)
     return 0
 

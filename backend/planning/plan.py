@@ -60,12 +60,7 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         cap, run, d = self.capacity, self.replay, self.deployment
         return {
-            "weights_bytes_per_gpu": cap.weights_bytes_per_gpu,
-            "kv_bytes_per_token": cap.kv_bytes_per_token,
-            "num_kv_blocks": cap.num_kv_blocks,
-            "kv_tokens": cap.kv_tokens,
-            "max_concurrency": cap.max_concurrency,
-            "max_model_len_table": {str(k): v for k, v in self.max_model_len_table.items()},
+            **capacity_json(d, cap),
             "block_size_table": {str(k): v for k, v in self.block_size_table.items()},
             "steps": run.steps,
             "predicted_wall_s": run.predicted_wall_s,
@@ -176,6 +171,31 @@ def capacity_summary(deployment: Deployment, cap: KvCapacity) -> str:
     table = max_model_len_table(cap.kv_tokens, deployment.model.context_limit, cap.max_model_len)
     lines += ["", "max_model_len → max concurrency"] + [f"  {n:>9,}  {c:10.2f}×" for n, c in table.items()]
     return "\n".join(lines)
+
+
+def capacity_json(deployment: Deployment, cap: KvCapacity) -> dict[str, Any]:
+    """The fields of :func:`capacity_summary`'s table, as numbers: what ``plan --json`` prints without traffic."""
+    d, model = deployment, deployment.model
+    table = max_model_len_table(cap.kv_tokens, model.context_limit, cap.max_model_len)
+    fields: dict[str, Any] = {
+        "model": model.name, "num_params": model.num_params, "dtype": d.dtype, "kv_dtype": d.kv_dtype,
+        "gpu": d.gpu.name, "gpu_memory_gib": d.gpu.memory_gib, "tensor_parallel_size": d.tensor_parallel_size,
+        "weights_bytes_per_gpu": cap.weights_bytes_per_gpu,
+        "kv_bytes_per_token": cap.kv_bytes_per_token,
+        "block_size": d.block_size,
+        "num_kv_blocks": cap.num_kv_blocks,
+        "kv_tokens": cap.kv_tokens,
+        "kv_budget_bytes": cap.kv_budget_bytes,
+        "max_model_len": cap.max_model_len,
+        "max_concurrency": cap.max_concurrency,
+        "max_model_len_table": {str(k): v for k, v in table.items()},
+    }
+    if model.is_moe:
+        cost = ModelCost.of(model, d.dtype, d.kv_dtype, d.tensor_parallel_size)
+        fields["active_params"] = model.active_params
+        fields["weight_bytes_read_per_gpu_by_seqs"] = {
+            str(b): cost.weight_bytes_read(b) for b in sorted({1, 16, d.max_num_seqs})}
+    return fields
 
 
 def _capacity_rows(d: Deployment, cap: KvCapacity) -> list[tuple[str, str]]:

@@ -12,9 +12,15 @@ Two costs, both measured on the host path (``pagedllm bench overhead``'s engine,
   them: ~230 ms, a stall of every stream. ``gc.freeze()`` takes them out of the
   collector's sight, as vLLM's EngineCore does after its start-up. Frozen objects are
   never collected, so only a process that holds one engine for its whole life freezes.
+
+The freeze is undone at exit: the interpreter's last collection skips frozen objects, so
+cycles through triton's modules would outlive it, and nanobind then reports dozens of
+"leaked" libtriton types and functions as the process ends (what ``pagedllm serve``
+printed at every Ctrl-C).
 """
 from __future__ import annotations
 
+import atexit
 import gc
 
 YOUNG_THRESHOLD = 20_000
@@ -35,3 +41,5 @@ def freeze_startup_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)  # once, however often this is called
+    atexit.register(gc.unfreeze)

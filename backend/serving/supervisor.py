@@ -34,7 +34,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from pagedllm.serving.server import TritonServer, exit_status, is_zombie
+from pagedllm.serving.server import TritonServer, exit_status
+from pagedllm.platform.processes import is_zombie
 from pagedllm.serving.supervisor_folder import SupervisorFolder
 
 DEFAULT_MAX_RELOADS = 3
