@@ -9,29 +9,29 @@ The cache is stored head-major (:func:`new_cpu_cache`): ``[kv_heads, blocks,
 block_size, head_dim]`` in memory, seen by everyone else as the usual
 ``[blocks, block_size, kv_heads, head_dim]``. Gathered blocks then give each
 (sequence, KV head) one contiguous ``[tokens, head_dim]`` matrix, which SDPA
-reads 1.5-1.9x faster than keys strided by the heads (32-64 sequences, 256-1024
-tokens, head_dim 64, 1 thread: scripts/ab_cpu_choices.py); the gather costs the same. Caches in
-the usual layout still work, through a copy per layer.
+reads faster than keys strided by the heads (scripts/ab_cpu_choices.py); the gather costs
+the same. Caches in the usual layout still work, through a copy per layer.
 
 ``pagedllm.kernels.reference.unified_attention_ref`` stays the simple,
 independent oracle that the tests compare this against.
 
 Float32 decodes skip the gather: :mod:`pagedllm.attention.native_decode` compiles a
-small C routine on first use that reads their blocks in place, 2.4-3.3x faster per
-layer than this gather + SDPA path at 32-128 sequences of 300-1000 tokens
-(``pagedllm bench kernels`` on a CPU). Float32 prefill chunks up to the measured
+small C routine on first use that reads their blocks in place, faster per layer than
+this gather + SDPA path, which copies every block before reading it once (``pagedllm bench
+kernels`` on a CPU). Float32 prefill chunks up to the measured
 crossover (:func:`pagedllm.attention.cpu_attention_plan.native_prefill_wins`) skip it too:
 :mod:`pagedllm.attention.native_prefill` reads their context in place, a cache-sized tile
-at a time, 1.5-6x faster than gather + mask + SDPA for small chunks; bigger chunks stay
-on SDPA. Without a C compiler every decode and prefill runs the torch path below, which
-stays tested on its own.
+at a time, which wins over gather + mask + SDPA for small chunks; bigger chunks stay
+on SDPA, whose matrix products win there. Without a C compiler every decode and prefill
+runs the torch path below, which stays tested on its own.
 
 8-bit (fp8) caches are read without a full-precision copy of the cache: the compiled routine
 dequantizes one block at a time as it reads it, and the torch path dequantizes the blocks it
 gathered for the step, into a reused buffer.
-Gathering in cache-sized chunks so that SDPA reads K/V from cache gained 0-20%,
-within this host's noise, so it was left out. ``pagedllm bench kernels`` on a
-CPU prints this backend next to the reference.
+Gathering in cache-sized chunks so that SDPA reads K/V from cache gained no more than
+the host's noise, so it was left out. ``pagedllm bench kernels`` on a
+CPU prints this backend next to the reference. The figures behind these choices:
+RESULTS.md, "Figures behind the code's choices".
 """
 from __future__ import annotations
 
@@ -105,7 +105,8 @@ def write_kv_cpu(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """:func:`pagedllm.kernels.reference.write_kv_ref`'s contract, with ``index_copy_`` into
-    head-major caches: 38 -> 10 us per layer at 32 tokens, 73 -> 21 us at 128 (1 thread).
+    head-major caches, one call per cache instead of the reference's indexed assignment, a few
+    times faster (measured: RESULTS.md, "Figures behind the code's choices").
     An 8-bit cache gets the rows quantized as the reference does, copied as bytes (torch has
     no ``index_copy_`` for fp8)."""
     if not (_is_head_major(k_cache) and _is_head_major(v_cache)):
@@ -282,8 +283,8 @@ class CpuPagedAttention:
         into a buffer that grows as needed and is reused after; an 8-bit cache's blocks are gathered
         as bytes and then dequantized to ``dtype`` into a second such buffer.
 
-        Whole blocks are copied as flat rows: index_select on a 3-D view is ~10% faster
-        than on the 4-D cache (measured on 5-66 MB gathers).
+        Whole blocks are copied as flat rows: index_select on a 3-D view is a little faster
+        than on the 4-D cache (measured: RESULTS.md, "Figures behind the code's choices").
         """
         if cache.dtype in FP8_DTYPES:
             stored = self._gather_rows(name, cache, block_ids)

@@ -28,9 +28,8 @@ import torch
 from pagedllm.attention.metadata import AttentionMetadata
 
 # Decodes join a padded batch while their block count is at least this share of the
-# batch's longest; below it, a new batch is cheaper than attending to the padding.
-# Measured on long-tail contexts (10-2000 tokens), one layer: 32 sequences 43 ms in one
-# batch, 28 ms at 0.5, 27 ms at 0.7; 128 sequences 90, 68 and 59 ms.
+# batch's longest; below it, a new batch is cheaper than attending to the padding
+# (long-tail contexts, measured: RESULTS.md, "Figures behind the code's choices").
 DECODE_BATCH_FILL = 0.7
 # Decodes whose block tables start with the same blocks (prefix caching, forks) attend to that shared
 # prefix together once it is at least this long; below it, the extra call costs more than it saves.
@@ -108,7 +107,7 @@ class PrefillChunk:
     first_block: int
     num_blocks: int
     # Additive [query_len, seq_len] for a chunk after earlier context; None for a first chunk, which
-    # runs SDPA's own is_causal (1.1-1.8x faster than a mask for 512-2048-token prompts).
+    # runs SDPA's own is_causal, faster than a mask (measured: RESULTS.md, "Figures behind the code's choices").
     mask: torch.Tensor | None
 
 
@@ -177,8 +176,8 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native:
     skipped = np.zeros_like(num_blocks)  # leading blocks a decode attends to through its shared prefix
     shared_prefixes = []
     # The compiled routine reads a shared prefix in place, from cache for every sharer after the
-    # first, so cascade's extra SDPA and merge cost more than they save (tiny shared-prefix, 1 thread:
-    # 4.8 s with cascade, 4.56 s without).
+    # first, so cascade's extra SDPA and merge cost more than they save (tiny shared-prefix, measured:
+    # RESULTS.md, "Figures behind the code's choices").
     for seqs, shared in [] if native else _shared_prefixes(decoding, plan.block_table, plan.seq_lens, block_size):
         block_ids.append(plan.block_table[seqs[0], :shared])
         shared_prefixes.append(SharedPrefix(_tensor(plan.starts[seqs], plan.device), rows, shared))
@@ -245,35 +244,17 @@ def native_prefill_wins(query_len: int, seq_len: int, wide: bool = False) -> boo
     """Whether the compiled routine beats gather + SDPA for a chunk of ``query_len`` tokens ending at ``seq_len``;
     ``wide``: the routine was built with 16-lane vectors (AVX-512).
 
-    Wide, it wins on every chunk measured on an AVX-512 Xeon (``pagedllm bench kernels``'s
-    function over more shapes, 1 thread, block 16, tiny 4/2 and small 8/2 heads): 1.3-1.9x for
-    256-2048 query tokens over 0-1024 cached ones and 64 over 1024, 1.1-1.4x over 2048 cached
-    ones, short chunks by more (RESULTS.md, "Rows as columns in the paged prefill"). So a wide
-    build takes every chunk. The 8-lane build (AVX2 only) draws a line, measured on an AMD EPYC
+    Wide, it won on every chunk measured on an AVX-512 Xeon, so a wide build takes every
+    chunk. The 8-lane build (AVX2 only) draws a line, measured on an AMD EPYC
     with the routine's earlier layout (the 8-lane build of today's ran level with it on the Xeon
     with AVX-512 turned off). Both do work in proportion to the (query, key) pairs the chunk attends to,
     ``query_len * (seq_len - query_len / 2)``; the compiled routine saves the gather, the
     mask and SDPA's fixed cost, which dominate small chunks, and SDPA's BLAS-backed
-    blocks run the products faster, which wins for big ones. Measured with ``pagedllm
-    bench kernels`` (:mod:`pagedllm_bench.cpu_prefill`), 1 thread, block 16, tiny (4/2
-    heads) and small (8/2) layouts, the compiled routine's speed-up (SDPA path ms / compiled
-    ms), tiny / small:
-
-    =======  ==========  ==========  ==========  ==========  ==========  ==========
-    context  q 16        q 64        q 128       q 256       q 384       q 1024
-    =======  ==========  ==========  ==========  ==========  ==========  ==========
-    0        3.6 / 3.7x  2.8 / 2.1x  2.0 / 1.7x  2.2 / 1.7x  0.8 / 1.2x  0.8 / 0.9x
-    256      --          --          1.2 / 1.9x  1.1 / 0.9x  0.9 / 1.2x  --
-    512      1.7 / 2.2x  3.5 / 1.2x  --          0.8 / 0.9x  --          1.0 / 1.0x
-    1024     --          --          1.2 / 0.9x  0.8 / 0.9x  0.9 / 0.8x  --
-    2048     2.7 / 1.1x  1.0 / 1.0x  --          0.8 / 0.6x  --          0.7 / 0.9x
-    =======  ==========  ==========  ==========  ==========  ==========  ==========
-
-    (the whole grid, with the milliseconds, is in docs/results/RESULTS.md, "Paged prefill attention
-    on CPU"; this shared 2-core host's noise is about +-30% per cell). The
-    compiled routine is 1.5-6x faster below ~50k pairs, level around 100k (q 384 over
-    nothing, q 192-256 over 256 cached tokens, q 96-128 over 1024, q 64 over 2048) and
-    0.6-0.9x above: the rule draws the line at 96k pairs.
+    blocks run the products faster, which wins for big ones. The 8-lane routine wins below
+    the pair count where the two run level and loses above it, so the rule draws the line
+    there, at :data:`NATIVE_PREFILL_MAX_PAIRS`. Measured with ``pagedllm bench kernels``
+    (:mod:`pagedllm_bench.cpu_prefill`): RESULTS.md, "Figures behind the code's choices",
+    "Rows as columns in the paged prefill" and "Paged prefill attention on CPU".
     """
     return wide or query_len * (seq_len - query_len / 2) <= NATIVE_PREFILL_MAX_PAIRS
 

@@ -38,8 +38,8 @@ static inline void add_scaled(float* restrict y, float a, const float* restrict 
  * in one shuffle tree costs 15 folds instead of 16 separate horizontal sums, and the V side keeps a
  * query head's output row in registers across the 16 rows instead of reloading and storing it per row.
  * Without AVX-512 a 16-lane vector is two 8-lane registers, the 16 partial rows no longer fit the 16
- * registers and spill: on an AVX2-only AMD EPYC (Zen 3) the one-row path was 1.7-2.6x faster (32
- * decodes of ~100-1000 tokens, tiny and small checkpoints' heads, 1 thread, A/B in one process). */
+ * registers and spill: on an AVX2-only AMD EPYC (Zen 3) the one-row path was the faster one
+ * (measured: docs/results/RESULTS.md, "Figures behind the code's choices"). */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__AVX512F__)
 #define PAGEDLLM_ROWS16 1
 #define ROWS16 16
@@ -121,9 +121,9 @@ static inline int rows16(int64_t head_dim) {
 
 /* Hardware prefetchers stop at page edges and blocks are scattered, so ask for the block
  * PREFETCH_DISTANCE ahead while this one is read, one row of it per row read, into L2
- * (prefetcht1). Measured ad hoc on the project's CPU host, scattered 4 KB blocks of a 256 MB cache,
- * 32 sequences x ~700 tokens, 1 thread: 8.4 GB/s without, 8.3-9.3 GB/s into L1 at any distance,
- * 13-15 GB/s into L2 at distance 2; the same blocks in order read at 19 GB/s. */
+ * (prefetcht1). Into L1 it gained nothing at any distance; into L2 at distance 2 it closed much of
+ * the gap to reading the same blocks in order (measured: docs/results/RESULTS.md, "Figures behind the
+ * code's choices"). */
 #define PREFETCH_DISTANCE 2
 
 static inline void prefetch_rows(const float* block, int64_t row, int64_t head_dim) {

@@ -32,10 +32,10 @@
 /* Vectors of VL floats, and register blocks of KEY_BLOCK keys (or head dimensions) x up to ROW_VECTORS
  * vectors of rows: with AVX-512 16 accumulators of the 32 registers, each broadcast value feeding 4 FMAs
  * of 16 lanes; elsewhere 8 of 16 in 8-lane vectors, which every x86-64 with AVX2 (and aarch64 through
- * NEON pairs) compiles well. On an AVX-512 Xeon this layout ran chunks of 16-384 tokens after 128-512
- * cached ones, and of 256-384 with none, in 0.57-0.73x the time of the row-major one it replaced (which
- * staged a transposed copy of every key tile and ran the softmax row by row); chunks of 16-64 tokens with
- * no context ran level (1 thread, tiny and small heads, both builds interleaved in one process). */
+ * NEON pairs) compiles well. On an AVX-512 Xeon this layout ran chunks with cached context, and long
+ * ones without, in clearly less time than the row-major one it replaced (which staged a transposed copy
+ * of every key tile and ran the softmax row by row); short chunks with no context ran level (measured:
+ * docs/results/RESULTS.md, "Figures behind the code's choices"). */
 #ifdef __AVX512F__
 #define VL 16
 #define ROW_VECTORS 4

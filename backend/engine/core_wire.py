@@ -1,10 +1,10 @@
 """How a step's outputs cross the pipe from the engine core process to the stub: plain tuples.
 
 Pickling the slotted ``RequestOutput`` / ``CompletionDelta`` dataclasses goes through
-``copyreg`` once per object: about 440 us for a 64-request decode step on this project's
-CPU (rebuilding each output without its prompt included), some 4% of the engine core's
-step. Tuples of their fields pickle in about 70 us, and the parent rebuilds the dataclasses
-in about the time unpickling them took before. The prompt stays out: the parent has it.
+``copyreg`` once per object, a visible share of the engine core's step at a big decode
+batch. Tuples of their fields pickle several times faster, and the parent rebuilds the
+dataclasses in about the time unpickling them took before (measured: RESULTS.md,
+"Figures behind the code's choices"). The prompt stays out: the parent has it.
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ entry of its family on every new step plan (``attention_heuristics.plan_attentio
 so a tuner can swap entries in-process.
 
 STARTING TABLE, NOT YET MEASURED ON HOPPER. The tiles and warps are the values
-the kernel ran with on the H200 (correct there, 0.26–0.91× SDPA for decode,
-0.39–0.51× for prefill); the stage counts are the usual Hopper software-pipelining
+the kernel ran with on the H200 (correct there, slower than SDPA; measured: RESULTS.md,
+"Figures behind the code's choices"); the stage counts are the usual Hopper software-pipelining
 depths (3 where the K/V tiles are small enough to triple-buffer in shared memory,
 2 for the 256-wide heads). Tune on the device, then paste the printed table here:
 

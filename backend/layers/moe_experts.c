@@ -15,7 +15,8 @@
  * three panels, for up to four input rows at once, so its 12 accumulators stay in registers, it
  * needs no horizontal sums, and the panels stream through memory in order, every cache line used
  * whole. (Dot products over the checkpoint's [out, in] rows, or a plain transpose read with a
- * stride, ran 2-3x slower at a decode step's shapes.) -ffast-math is not used (see
+ * stride, ran slower at a decode step's shapes: docs/results/RESULTS.md, "Figures behind the code's
+ * choices".) -ffast-math is not used (see
  * native_build.py); the exp of SiLU is exp_nonpositive.h's.
  */
 #include <stdint.h>

@@ -21,11 +21,10 @@ and a static ``input_scale`` is still checked, so a corrupt one fails the load. 
 says which of the two a load does.
 
 On a CPU, torch's int8 weight-packed matmul (``aten._weight_int8pack_mm``) was measured
-against dequantizing once (``scripts/ab_int8_weight_matmul.py``, 1 thread, 2048x2048, this
-project's AVX-512 host): with float32 activations, the engine's CPU default, it is 5-35x slower
-than the packed float32 GEMM (5.4 ms vs 1.1 ms at 1 row, 39 ms vs 2.2 ms at 8); with bfloat16
-activations it wins only at one row (0.38 vs 0.65 ms) and loses at 32 (3.5 vs 1.9 ms). So INT8
-weights are dequantized once too.
+against dequantizing once (``scripts/ab_int8_weight_matmul.py``): with float32 activations, the
+engine's CPU default, it is many times slower than the packed float32 GEMM; with bfloat16
+activations it wins only at one row and loses at bigger batches (measured: RESULTS.md, "Figures
+behind the code's choices"). So INT8 weights are dequantized once too.
 """
 from __future__ import annotations
 

@@ -5,11 +5,10 @@ freed, and trims the top of its heap above the trim threshold. A prefill step's
 activations are megabytes each (the small benchmark model's 2048 x 3072 gate/up
 output is 25 MB), so every step got them back as fresh pages, zeroed by the
 kernel one 4 KB page fault at a time. Raising both thresholds keeps that memory
-for the next step. Measured ad hoc on an AMD EPYC host, 1 thread: RMSNorm over
-2048 x 512 floats 4.2 -> 0.40 ms, SiLU(gate) * up over 2048 x 1536 15 -> 3.4 ms;
-small long-tail end to end 21.3 -> 19.9 s, tiny shared-prefix 5.5 -> 4.9 s. On
-an Intel Xeon host (2026-12-01, with the fused elementwise routines) it was
-within noise: 15.6-15.7 against 15.7-16.4 s, 3.43-3.45 against 3.39-3.51 s.
+for the next step: elementwise steps over fresh buffers ran several times slower
+than over reused ones, and whole workloads gained where page faults were a visible
+share of the step (within noise where fused elementwise routines had already cut
+those buffers; measured: RESULTS.md, "Figures behind the code's choices").
 The cost is that the process keeps its peak working set, which a serving process
 does anyway.
 TCMalloc, which vLLM's CPU guide preloads, gets the same effect another way.
@@ -19,11 +18,10 @@ asked for transparent huge pages (:func:`advise_huge_pages`). Hosts that
 leave THP at ``madvise`` (the common default, and this project's CPU host)
 otherwise back them with 4 KB pages: a decode step reads the cache in scattered
 4 KB blocks, each on a page of its own, and streams every weight once, so it
-pays a TLB miss per page. On the project's Xeon host, 1 thread, a decode step's
-attention over blocks scattered in a 128 MB cache, CPU caches flushed before each
-call: 1.11-1.22x faster at 2-32 sequences (``scripts/ab_cpu_choices.py --only
-huge-pages``); the small benchmark model's 33 packed linears at 2-32 rows
-1.01-1.05x (ad hoc).
+pays a TLB miss per page. Huge pages speed up the scattered reads of a decode
+step's attention and, a little, the weight streaming of the packed linears
+(``scripts/ab_cpu_choices.py --only huge-pages``; measured: RESULTS.md,
+"Figures behind the code's choices").
 """
 from __future__ import annotations
 

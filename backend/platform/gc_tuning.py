@@ -1,15 +1,16 @@
 """Python's cyclic garbage collector, tuned for an engine that steps for hours.
 
-Two costs, both measured on the host path (``pagedllm bench overhead``'s engine, tiny model):
+Two costs, both seen on the host path (``pagedllm bench overhead``'s engine, tiny model;
+measured: RESULTS.md, "Figures behind the code's choices"):
 
 - A step allocates a few short-lived records per running sequence (scheduled chunks,
   sampled tokens, deltas, outputs), which reference counting frees. At CPython's
   default threshold of 700 new containers the youngest generation is collected every
-  step or two at 256 running sequences: ~6% of the host path's median step. A higher
-  threshold collects as much, less often.
-- After start-up ~370k objects are alive (model modules, tokenizer, KV block pool)
-  that never become garbage, and a collection of the oldest generation walks all of
-  them: ~230 ms, a stall of every stream. ``gc.freeze()`` takes them out of the
+  step or two at 256 running sequences, a visible share of the host path's step. A
+  higher threshold collects as much, less often.
+- After start-up hundreds of thousands of objects are alive (model modules, tokenizer,
+  KV block pool) that never become garbage, and a collection of the oldest generation
+  walks all of them: a stall of every stream. ``gc.freeze()`` takes them out of the
   collector's sight, as vLLM's EngineCore does after its start-up. Frozen objects are
   never collected, so only a process that holds one engine for its whole life freezes.
 

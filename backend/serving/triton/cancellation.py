@@ -1,14 +1,14 @@
 """Watch in-flight Triton requests for client cancellation without slowing the engine loop.
 
 Asking Triton whether a request was cancelled (``response_sender.is_cancelled()``) is
-an IPC round trip to the server (about 25 us measured on the pytriton 2.51 stub); doing
-it for every in-flight request before every engine step would add milliseconds per step
+an IPC round trip to the server (measured: RESULTS.md, "Figures behind the code's choices");
+doing it for every in-flight request before every engine step would add milliseconds per step
 at high concurrency. A watcher thread asks instead, sweeping all registered requests at
 most every ``interval_s``, and the engine loop reads the answers as flags each step.
 
-A sweep's cost grows with the requests in flight (64 streams: ~1.6 ms, so sweeping every
-20 ms took ~8% of a core that the server's other threads share), so the pause after a
-sweep grows with it too: probing stays under ``MAX_PROBE_SHARE`` of the watcher's time,
+A sweep's cost grows with the requests in flight (at high concurrency, sweeping at a fixed
+interval took a noticeable share of a core that the server's other threads share), so the
+pause after a sweep grows with it too: probing stays under ``MAX_PROBE_SHARE`` of the watcher's time,
 and a cancellation is noticed within ``MAX_INTERVAL_S`` at any load.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Send Triton responses from one thread, in order per request, merging a request's backlog.
 
-Each ``response_sender.send`` is an IPC round trip (about 90 us measured on the
-pytriton 2.51 stub), so at high concurrency sending can fall behind the engine. Each
+Each ``response_sender.send`` is an IPC round trip (measured: RESULTS.md, "Figures behind
+the code's choices"), so at high concurrency sending can fall behind the engine. Each
 request has an outbox; the sender thread serves requests in the order they became
 ready and sends everything waiting in an outbox as one response (texts concatenated,
 token counts summed; see ``response_codec.merge_tensors``). When sending keeps up,
@@ -18,7 +18,7 @@ one send runs at a time either way, so each request's responses stay in order.
 A request's first response may jump the queue (``first``): under load the requests ready
 before it are other streams' next tokens, a few milliseconds of sends that a user waiting
 for the first token would otherwise sit behind (time to first token), while a stream
-already running loses one send's time (about 0.2 ms).
+already running loses one send's time.
 """
 from __future__ import annotations
 
