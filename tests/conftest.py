@@ -46,11 +46,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     wheel's server is not installed (that one fails under .ci/run)."""
     if not full_run.full():
         for item in items:
-            if "full" in item.keywords:
+            if item.get_closest_marker("full") is not None:
                 item.add_marker(pytest.mark.skip(reason="pytest --full runs it"))
     if not torch.cuda.is_available():
         for item in items:
-            if "gpu" in item.keywords:
+            if item.get_closest_marker("gpu") is not None:
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
     try:
         find_triton_files()

@@ -59,6 +59,7 @@ def submit(loop: EngineLoop, request_id: str, prompt: str, params: SamplingParam
     return collector
 
 
+@pytest.mark.slow
 def test_child_engine_serves_exact_tokens_and_recovers_from_being_killed(config: EngineConfig,
                                                                          expected: list[str]) -> None:
     core = EngineCoreProcess(config)

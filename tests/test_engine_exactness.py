@@ -83,6 +83,14 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.gpu
+def test_a_cuda_engine_with_the_triton_kernels_matches_transformers(tiny_model_dir: Callable[[str], Path]) -> None:
+    model_dir = tiny_model_dir("llama")
+    prompts = random_prompts(seed=3)
+    llm = LLM(model=str(model_dir), dtype="float32", device="cuda")
+    assert_matches_reference(model_dir, prompts, generate(llm, prompts))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_defaults_match_transformers(arch: str, tiny_model_dir: Callable[[str], Path]) -> None:
     model_dir = tiny_model_dir(arch)

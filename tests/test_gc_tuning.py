@@ -60,6 +60,7 @@ def test_freezing_hides_the_startup_heap_and_later_cycles_are_still_collected() 
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
+@pytest.mark.slow
 def test_a_frozen_engine_process_exits_without_nanobind_leak_reports(tiny_model_dir: Callable[[str], Path]) -> None:
     """Frozen objects escape the interpreter's last collection; unfrozen at exit, triton's bindings are freed."""
     code = textwrap.dedent(f"""

@@ -166,6 +166,7 @@ def test_cli_json_without_traffic_has_the_tables_fields(model: str, extra: list[
     assert moe == (model == "Mixtral-8x7B") == ("active_params" in data)
     if moe:
         assert rows["active parameters"].startswith(f"{data['active_params'] / 1e9:.2f}B per token")
-        read = ", ".join(f"{v / 2**30:.2f} GiB at {b} seqs" for b, v in data["weight_bytes_read_per_gpu_by_seqs"].items())
+        by_seqs = data["weight_bytes_read_per_gpu_by_seqs"]
+        read = ", ".join(f"{v / 2**30:.2f} GiB at {b} seqs" for b, v in by_seqs.items())
         assert re.sub(r" \([\d.]+ experts\)", "", rows["active bytes per decode step"]) == read + " per GPU"
     assert not {"steps", "ttft_p99", "replicas_needed"} & data.keys()  # latency and replicas need traffic

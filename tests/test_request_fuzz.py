@@ -110,6 +110,7 @@ def engine(tiny_model_dir: Callable[[str], Path]) -> LLMEngine:
                                   num_kv_blocks=48, max_model_len=128, max_num_seqs=8))
 
 
+@pytest.mark.slow
 def test_every_request_fails_at_submission_or_completes(engine: LLMEngine) -> None:
     reached = {"refused": 0, "completed": 0, "tokens": 0}
 

@@ -48,6 +48,7 @@ def _beams(llm: LLM, prompt: list[int]) -> list[tuple[list[int], float]]:
     return [(o.token_ids, round(o.cumulative_logprob, 3)) for o in out.outputs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", MATRIX_ARCHS)
 def test_tp2_matches_transformers_under_preemption_prefix_hits_and_beams(
         arch: str, tiny_model_dir: Callable[[str], Path]) -> None:
@@ -138,6 +139,7 @@ def test_killed_worker_fails_the_step_naming_its_rank(tiny_model_dir: Callable[[
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
+@pytest.mark.slow
 def test_a_second_tp_llm_names_the_open_one_and_takes_over_from_a_dropped_one(
         tiny_model_dir: Callable[[str], Path]) -> None:
     model = str(tiny_model_dir("llama"))

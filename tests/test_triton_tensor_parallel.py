@@ -6,7 +6,7 @@ leaves no worker behind; ``kill -9`` of the worker fails the running streams nam
 its rank, after which the server serves exact tokens again and counts the restart;
 a worker that dies right after every restart is a crash loop, and ``pagedllm serve``
 exits 1 naming it. A second server shows that SIGINT with streams in flight ends
-every process within 30 s and leaves no shared-memory region behind.
+every process and leaves no shared-memory region behind (the time is printed).
 
 Each restart reloads a two-rank engine (~30 s on two busy cores), so the default run
 keeps the exact streams and the killed worker (the crash-loop rule itself is unit-tested in
@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import requests
 
-
 from installed import need
+
 need("tritonclient.grpc")
 import shm_regions  # noqa: E402
 from test_triton_recovery import (Serve, check_cut_or_whole, close_all, in_flight, start_serve,  # noqa: E402
