@@ -27,6 +27,7 @@ class EngineSettings:
     block_size: int
     max_model_len: int
     sample_requests: int  # how many leading requests' tokens are kept for the agreement check
+    dtype: str = "float32"  # what every engine computes in: float32 or bfloat16
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +73,7 @@ def run_pagedllm(model: Path, workload: Workload, settings: EngineSettings, sche
     from pagedllm import LLM
 
     llm = LLM(
-        model=str(model), dtype="float32", block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
+        model=str(model), dtype=settings.dtype, block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, max_model_len=settings.max_model_len,
         scheduling=scheduling, seed=workload.seed,
     )

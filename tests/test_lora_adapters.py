@@ -88,7 +88,7 @@ def test_experts_of_a_moe_model_are_refused(base: Path, tmp_path: Path) -> None:
 def test_engine_refuses_a_bad_adapter_and_keeps_serving(base: Path, tmp_path: Path) -> None:
     good = make_random_adapter(base, tmp_path / "good", 8, 16, seed=1)
     dora = edit_config(make_random_adapter(base, tmp_path / "dora", 8, 16, seed=2), use_dora=True)
-    llm = LLM(model=str(base), enable_lora=True, max_loras=1, max_lora_rank=16, num_kv_blocks=64)
+    llm = LLM(model=str(base), dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=16, num_kv_blocks=64)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     with pytest.raises(ValueError, match="use_dora"):
         llm.generate("hello", params, lora_request=LoRARequest("dora", 2, str(dora)))
@@ -98,7 +98,7 @@ def test_engine_refuses_a_bad_adapter_and_keeps_serving(base: Path, tmp_path: Pa
     out = llm.generate("hello", params, lora_request=LoRARequest("good", 1, str(good)))
     assert len(out[0].outputs[0].token_ids) == 4
     assert llm.engine.kv.num_free_blocks == 64
-    plain = LLM(model=str(base), num_kv_blocks=16)
+    plain = LLM(model=str(base), dtype="float32", num_kv_blocks=16)
     with pytest.raises(ValueError, match="enable_lora=true"):
         plain.generate("hello", params, lora_request=LoRARequest("good", 1, str(good)))
 
@@ -177,7 +177,7 @@ def test_moe_model_serves_attention_adapters_and_refuses_expert_ones(tiny_model_
     attention = make_random_adapter(moe, tmp_path / "attn", 8, 16, seed=0, std=0.3,
                                     target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
     experts = make_random_adapter(moe, tmp_path / "mlp", 8, 16, seed=1, target_modules=("q_proj", "down_proj"))
-    llm = LLM(model=str(moe), enable_lora=True, max_lora_rank=16, num_kv_blocks=32)
+    llm = LLM(model=str(moe), dtype="float32", enable_lora=True, max_lora_rank=16, num_kv_blocks=32)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompt = {"prompt_token_ids": [5, 17, 300, 42, 9]}
     adapted, plain = llm.generate([prompt, prompt], params, lora_request=[LoRARequest("attn", 1, str(attention)), None])

@@ -127,7 +127,7 @@ def test_adapters_are_not_trivial(fixture: Fixture) -> None:
 
 
 def test_each_adapter_alone_matches_peft_merged(fixture: Fixture) -> None:
-    llm = LLM(model=str(fixture.base), enable_lora=True, max_loras=1, max_lora_rank=16, num_kv_blocks=128)
+    llm = LLM(model=str(fixture.base), dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=16, num_kv_blocks=128)
     for spec in SPECS:
         indices = list(range(len(PROMPTS)))
         assert_own_tokens(fixture, [spec.name] * len(indices), indices, run(llm, fixture, [spec.name] * len(indices),
@@ -136,7 +136,7 @@ def test_each_adapter_alone_matches_peft_merged(fixture: Fixture) -> None:
 
 def test_mixed_batch_with_preemption_prefix_caching_and_swaps(fixture: Fixture) -> None:
     """Three adapters and base-only requests in one continuous batch, two slots, a KV cache small enough to preempt."""
-    llm = LLM(model=str(fixture.base), enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2,
+    llm = LLM(model=str(fixture.base), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2,
               num_kv_blocks=24, block_size=8, max_num_seqs=6, enable_prefix_caching=True)
     cycle: list[str | None] = [SPECS[0].name, None, SPECS[1].name, SPECS[2].name]
     names = [cycle[i % len(cycle)] for i in range(3 * len(PROMPTS))]
@@ -154,7 +154,7 @@ def test_mixed_batch_with_preemption_prefix_caching_and_swaps(fixture: Fixture) 
 
 def test_prefix_cache_never_crosses_adapters(fixture: Fixture) -> None:
     """The same prompt under two adapters and the base: each exactly its own, the cache shared only within one."""
-    llm = LLM(model=str(fixture.base), enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=64,
+    llm = LLM(model=str(fixture.base), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=64,
               block_size=8, enable_prefix_caching=True)
     index = len(PROMPTS) - 1  # the longest prompt: several full blocks
     first, second = SPECS[0].name, SPECS[1].name

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+import torch.nn.functional as F
 from torch import nn
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -21,7 +22,8 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models import CausalLM, load_model
 from pagedllm.platform.cpu_dtypes import native_cpu_dtypes, unsupported_cpu_dtype_message
 from pagedllm.layers import cpu_linear
-from pagedllm.layers.cpu_linear import SWITCH_ENV, MklPackedLinear, OneDnnLinear, PackedLinear
+from pagedllm.platform.cpu_dtypes import native_cpu_dtypes
+from pagedllm.layers.cpu_linear import SWITCH_ENV, MklPackedLinear, OneDnnLinear, PackedLinear, packed_linear_choice
 
 ARCHES = ["llama", "mistral", "qwen2", "qwen3"]
 # The production CPU attention, and the kernels' oracle it must agree with.
@@ -201,14 +203,17 @@ def test_untied_head_is_its_own_matrix(tiny_model_dir: Callable[[str], Path], li
     assert not torch.equal(weights(model)["lm_head.weight"], model.model.embed_tokens.weight)
 
 
-def test_float32_cpu_linears_are_packed_unless_switched_off(tiny_model_dir: Callable[[str], Path],
+def test_cpu_linears_are_packed_unless_switched_off(tiny_model_dir: Callable[[str], Path],
                                                              linears: str) -> None:
     def kinds(model: CausalLM) -> set[type]:
         return {type(module) for module in model.modules() if isinstance(module, (nn.Linear, PackedLinear))}
 
     expected = {"mkl-packed": MklPackedLinear, "onednn": OneDnnLinear, "mkl": nn.Linear}[linears]
     assert kinds(load(tiny_model_dir("qwen3"))) == {expected}
-    assert kinds(load(tiny_model_dir("qwen3"), torch.bfloat16)) == {nn.Linear}
+    # bf16 packs for oneDNN (MKL packs float32 only) where the CPU computes bf16; "mkl" keeps F.linear.
+    bf16_native = torch.bfloat16 in native_cpu_dtypes()
+    assert kinds(load(tiny_model_dir("qwen3"), torch.bfloat16)) == {
+        OneDnnLinear if linears != "mkl" and bf16_native else nn.Linear}
 
 
 def test_the_mkl_packed_linear_refuses_input_it_would_misread() -> None:
@@ -218,6 +223,20 @@ def test_the_mkl_packed_linear_refuses_input_it_would_misread() -> None:
     assert linear(torch.ones(3, 16)).shape == (3, 8)
     with pytest.raises(ValueError, match="takes float32 CPU input, got torch.float64"):
         linear(torch.ones(3, 16, dtype=torch.float64))
+
+
+def test_the_bf16_onednn_linear_equals_f_linear_bit_for_bit() -> None:
+    """What transformers' bf16 forward computes, so bf16 accuracy is not lost to the packing."""
+    if packed_linear_choice(torch.bfloat16, torch.device("cpu")) != "onednn":
+        pytest.skip("this CPU or torch build has no native bf16 oneDNN packing")
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 40, generator=generator).bfloat16()
+    bias = torch.randn(48, generator=generator).bfloat16()
+    linear = OneDnnLinear(weight, bias)
+    for rows in (1, 16, 300):
+        x = torch.randn(rows, 40, generator=generator).bfloat16()
+        assert torch.equal(linear(x), F.linear(x, weight, bias))
+    assert torch.equal(linear.unpacked_weight(), weight)
 
 
 def test_an_unknown_cpu_linear_choice_is_refused(tiny_model_dir: Callable[[str], Path],

@@ -15,7 +15,7 @@ from pagedllm.engine.outputs import RequestOutput
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir: Callable[[str], Path]) -> LLM:
-    return LLM(str(tiny_model_dir("qwen2")), max_model_len=256, structured_outputs_compile_timeout_s=0.3)
+    return LLM(str(tiny_model_dir("qwen2")), dtype="float32", max_model_len=256, structured_outputs_compile_timeout_s=0.3)
 
 
 def deeply_nested_schema(depth: int) -> str:

