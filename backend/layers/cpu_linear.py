@@ -6,15 +6,13 @@ the weight once for the GEMM library removes that work:
 
 - ``mkl-packed`` (the default): MKL's packed GEMM (``cblas_sgemm_pack`` /
   ``cblas_sgemm_compute``), called through ctypes from the MKL that torch's own
-  library exports. On the benchmark models' shapes, 1 thread, it is 1.0-1.65x
-  faster than oneDNN's packed linear at 1-32 rows and within 0.9-1.1x of it at
-  2048 rows; against ``F.linear`` it is 1.0-2.3x faster at 4-32 rows of the
-  wider shapes, slower at 1-8 rows of the narrowest. Source: ``pagedllm bench
-  kernels --device cpu`` (docs/results/kernels-cpu.md); small long-tail end to
-  end 21.1-21.3 -> 20.2-20.4 s against oneDNN. The call releases the GIL.
+  library exports. On the benchmark models' shapes it beats oneDNN's packed linear
+  at decode row counts and matches it at prefill sizes, and beats ``F.linear`` at
+  all but the fewest rows of the narrowest shapes (measured: RESULTS.md, "Figures
+  behind the code's choices"). The call releases the GIL.
 - ``onednn``: torch's ``mkldnn._linear_pointwise`` on a oneDNN-packed weight,
-  the packing vLLM's CPU backend uses; each call costs ~15 us more in ideep's
-  per-call setup. Also the fallback where torch was built without MKL.
+  the packing vLLM's CPU backend uses; each call pays ideep's per-call setup.
+  Also the fallback where torch was built without MKL.
 - ``mkl``: plain ``F.linear``.
 
 Packed results differ from ``F.linear`` by float32 rounding (<= 1.2e-6
@@ -26,8 +24,9 @@ given; the token-exact tests, which allow exact top-two ties only, pass.
 bfloat16 linears (on a CPU that computes bf16 natively, :mod:`pagedllm.platform.cpu_dtypes`)
 always take the oneDNN packing, unless ``PAGEDLLM_CPU_LINEAR=mkl`` keeps plain ``F.linear``:
 MKL packs only float32, and a bf16 ``F.linear`` goes to oneDNN too but re-lays out its weight
-on every call. Packed, the bf16 GEMMs of Qwen2.5-0.5B's shapes ran 1.1-2x faster at 1-16 rows
-and 1.05-1.2x at 512 rows, with bit-identical results (``scripts/ab_bf16_linear.py``, RESULTS).
+on every call. Packed, the bf16 GEMMs of Qwen2.5-0.5B's shapes run faster at every row count
+measured, with bit-identical results (``scripts/ab_bf16_linear.py``; RESULTS.md, "Figures behind
+the code's choices").
 """
 from __future__ import annotations
 

