@@ -193,3 +193,17 @@ def test_each_verified_position_counts_the_drafts_before_it(tiny_model_dir: Call
     assert [9 in row.suppressed_token_ids for row in rows] == [True, True, False]  # 3 outputs reach min_tokens
     llm.engine.abort_request("r")
     llm.engine.step()
+
+
+def test_speculation_turns_off_above_disable_by_batch_size() -> None:
+    # The embedded model copies the code it has seen, so prompt lookup finds drafts.
+    prompt = "def area(width, height):\n    return width * height\n\n\ndef area("
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+              "disable_by_batch_size": 3}
+    few, many = LLM(speculative_config=config), LLM(speculative_config=config)
+    few.generate([prompt] * 3, params)
+    many.generate([prompt] * 4, params)  # all four run side by side to the end
+    few_counts, many_counts = few.stats().spec_decode, many.stats().spec_decode
+    assert few_counts is not None and few_counts.num_drafts > 0
+    assert many_counts is not None and many_counts.num_drafts == 0

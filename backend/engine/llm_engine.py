@@ -197,7 +197,7 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             block_size=self.kv.block_size,
-            spec_decode=None if self.speculative is None else self.speculative.counts,
+            spec_decode=None if self.speculative is None else self.speculative.snapshot(),
         )
 
     def _run(self, out: SchedulerOutput, deltas: dict[str, list[CompletionDelta]], errors: dict[str, str]) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pagedllm.core.request import Sequence
 from pagedllm.core.stop_policy import StopPolicy
@@ -91,6 +91,10 @@ class SpeculativeDecoding:
         for position in range(accepted):
             per_position[position] += 1
         return list(target[: accepted + 1])
+
+    def snapshot(self) -> SpecDecodeCounts:
+        """A copy of the counts, safe to hand to another thread or process."""
+        return replace(self.counts, num_accepted_tokens_per_pos=list(self.counts.num_accepted_tokens_per_pos))
 
     def release(self, seq_ids: Iterable[int]) -> None:
         self.proposer.release(seq_ids)
