@@ -24,8 +24,8 @@ _DEFAULT_LOOKUP = 5
 # The most drafted tokens a step may verify per sequence: beyond this the acceptance of a
 # prompt-lookup run is tiny and each position still costs a forward row.
 MAX_SPECULATIVE_TOKENS = 16
-# Above this many running sequences a step decodes normally: on a 2-core CPU with the default model, n-gram
-# speculation stopped paying at about 8 running sequences (pagedllm bench spec --disable-by-batch-size 0).
+# Above this many running sequences a step decodes normally: half the batch size where n-gram speculation
+# stopped paying on a CPU with the default model (pagedllm bench spec --disable-by-batch-size 0; RESULTS).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 

@@ -2,6 +2,8 @@
 model without speculation exports none of them."""
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from pagedllm.engine.request_timing import StepTimings
 from pagedllm.serving.metrics import TritonMetrics
 
 K = 3
+DASHBOARD = Path(__file__).resolve().parents[1] / "client_examples" / "grafana" / "pagedllm-dashboard.json"
 SPEC_SERIES = {"vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos"}
 
@@ -52,6 +55,13 @@ def test_spec_decode_counters_add_up() -> None:
     # A later snapshot adds only its increase.
     created_again = publish(llm.stats(), K)
     assert created_again["vllm:spec_decode_num_drafts"].metrics[0].reading == drafts
+
+
+def test_the_dashboard_queries_these_series_by_name() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    named = {name for query in queries for name in re.findall(r"\b(vllm:spec_decode_[a-z_]+)", query)}
+    assert named == SPEC_SERIES
 
 
 def test_no_speculation_no_spec_decode_series(tiny_model_dir: Callable[[str], Path]) -> None:
