@@ -9,7 +9,7 @@ with preemption asserted, prefix-cache hits, ``n = 2`` with penalties, and stop 
 landing inside accepted runs. One case runs the real n-gram proposer on self-repeating prompts.
 
 llama runs every case; ``PAGEDLLM_SPEC_FULL=1`` runs them all on qwen3 and qwen3_moe too (by default
-those two run the tight-pool case).
+those two run the tight-pool case), and a batch mixing a LoRA adapter with the base model.
 """
 from __future__ import annotations
 
@@ -207,3 +207,35 @@ def test_speculation_turns_off_above_disable_by_batch_size() -> None:
     few_counts, many_counts = few.stats().spec_decode, many.stats().spec_decode
     assert few_counts is not None and few_counts.num_drafts > 0
     assert many_counts is not None and many_counts.num_drafts == 0
+
+
+@pytest.mark.skipif(not FULL, reason="PAGEDLLM_SPEC_FULL=1 runs it (about a minute: peft builds the adapter)")
+def test_lora_adapter_with_speculation(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """A batch mixing an adapter and the base model verifies through each one's own weights."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm import LoRARequest
+
+    base = tiny_model_dir("llama")
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                                           task_type="CAUSAL_LM"))
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:  # PEFT starts B at zero: an adapter that changes nothing
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    adapter = LoRARequest("a", 1, str(tmp_path / "adapter"))
+    prompts = random_prompts(seed=6)[:4]
+    loras = [adapter, None, adapter, None]
+    plain = LLM(model=str(base), dtype="float32", enable_lora=True)
+    want = [[Result(tuple(c.token_ids), c.text, c.finish_reason, None) for c in out.outputs]
+            for out in plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=loras)]
+    assert want[0][0].token_ids != run(plain, prompts[:1], GREEDY)[0][0].token_ids, "the adapter changes nothing"
+    llm = speculative(base, continuations_of(prompts, want), enable_lora=True)
+    got = [[Result(tuple(c.token_ids), c.text, c.finish_reason, None) for c in out.outputs]
+           for out in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=loras)]
+    assert_same(got, want)
+    assert_speculated(llm)
