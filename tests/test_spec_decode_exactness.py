@@ -9,7 +9,7 @@ with preemption asserted, prefix-cache hits, ``n = 2`` with penalties, and stop 
 landing inside accepted runs. One case runs the real n-gram proposer on self-repeating prompts.
 
 llama runs every case; ``PAGEDLLM_SPEC_FULL=1`` runs them all on qwen3 and qwen3_moe too (by default
-those two run the tight-pool case), and a batch mixing a LoRA adapter with the base model.
+those two run the tight-pool case), a batch mixing a LoRA adapter with the base model, and TP=2.
 """
 from __future__ import annotations
 
@@ -239,3 +239,15 @@ def test_lora_adapter_with_speculation(tiny_model_dir: Callable[[str], Path], tm
            for out in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=loras)]
     assert_same(got, want)
     assert_speculated(llm)
+
+
+@pytest.mark.skipif(not FULL, reason="PAGEDLLM_SPEC_FULL=1 runs it (starts a tensor-parallel worker process)")
+def test_tensor_parallel_with_speculation(tiny_model_dir: Callable[[str], Path]) -> None:
+    """Proposals and verification on rank 0; every rank runs the k + 1 positions."""
+    model_dir = tiny_model_dir("llama")
+    prompts = random_prompts(seed=1)[:4]
+    params = replace(GREEDY, logprobs=2)
+    want = run(LLM(model=str(model_dir), dtype="float32"), prompts, params)
+    with speculative(model_dir, continuations_of(prompts, want), tensor_parallel_size=2) as llm:
+        assert_same(run(llm, prompts, params), want)
+        assert_speculated(llm)
