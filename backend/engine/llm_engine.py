@@ -25,7 +25,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.engine.structured_outputs import StructuredOutputs
 from pagedllm.engine.prompt_logprobs import PromptLogprobsCollector
-from pagedllm.engine.speculative import SpecDecodeCounts, SpeculativeDecoding
+from pagedllm.engine.speculative import SpecDecodeCounts, SpeculativeDecoding, check_supported
 from pagedllm.lora.request import LoRARequest
 from pagedllm.model_source import resolve_model_dir
 from pagedllm.sampling_params import SamplingParams
@@ -71,6 +71,8 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.speculative_config is not None:
+            check_supported(config.speculative_config)
         model_dir = resolve_model_dir(config.model, config.revision) if config.model is not None else DEFAULT_MODEL_DIR
         if not (model_dir / "config.json").is_file():
             raise ValueError(f"model={str(model_dir)!r} is not a Hugging Face checkpoint directory (no config.json)")

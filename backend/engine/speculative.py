@@ -43,10 +43,15 @@ class SpecDecodeCounts:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
 
 
+def check_supported(config: SpeculativeConfig) -> None:
+    """Refuse, naming it, a configuration this engine cannot run (checked before any weights load)."""
+    if config.method != "ngram":
+        raise ValueError(f"speculative_config.method={config.method!r} is not supported yet: use 'ngram'")
+
+
 class SpeculativeDecoding:
     def __init__(self, config: SpeculativeConfig, stop_policy: StopPolicy) -> None:
-        if config.method != "ngram":
-            raise ValueError(f"speculative_config.method={config.method!r} is not supported yet: use 'ngram'")
+        check_supported(config)
         if config.prompt_lookup_min is None or config.prompt_lookup_max is None:
             raise RuntimeError("SpeculativeConfig left its prompt lookup lengths unset")
         self.config = config
