@@ -8,6 +8,8 @@ from typing import Any
 
 from pagedllm.platform.cpu_binding import check_setting
 
+from pagedllm.core.speculative_config import SpeculativeConfig
+
 DTYPES = ("float32", "float16", "bfloat16")
 _ATTENTION_BACKENDS = ("auto", "triton", "torch", "torch-reference")
 _SCHEDULING = ("continuous", "static")
@@ -62,8 +64,13 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Speculative decoding (pagedllm.core.speculative_config), as vLLM's speculative_config; a JSON object (dict)
+    # is parsed into a SpeculativeConfig here. None: off.
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         _require(self.dtype == "auto" or self.dtype in DTYPES, "dtype", self.dtype, f"one of auto, {', '.join(DTYPES)}")
         _require(self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device", self.device, "auto, cpu or cuda[:N]")
         _require(1 <= self.block_size <= 256 and self.block_size & (self.block_size - 1) == 0,
@@ -103,6 +110,8 @@ class EngineConfig:
                  "max_cpu_loras", self.max_cpu_loras, f"null or an integer >= max_loras={self.max_loras}")
         _require(not self.enable_lora or not self.cuda_graphs, "enable_lora", self.enable_lora,
                  "false with cuda_graphs: the decode graphs do not replay the LoRA segments")
+        _require(self.speculative_config is None or self.scheduling == "continuous", "speculative_config",
+                 self.speculative_config, "null with scheduling=static (the static baseline decodes one token a step)")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> EngineConfig:

@@ -48,6 +48,10 @@ class Sample:
     status: SampleStatus = SampleStatus.WAITING
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
+    # Speculative decoding: tokens proposed to follow ``token_ids``, verified at its next step. Never part of
+    # ``token_ids`` (nor of any block's hash) until the target model accepts them; dropped whenever
+    # ``token_ids`` changes or the sequence is preempted.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -12,6 +12,15 @@ engine, the null-model engine and the property tests all call it): computed
 tokens advance, full blocks are published to the prefix cache, sampled tokens
 are appended, token-level stops are checked and finished sequences freed.
 
+Speculative decoding: a decoding sequence holding proposals (``Sample.spec_token_ids``)
+is scheduled its last token plus as many drafted tokens as the budget allows; they take
+ordinary KV slots and count against the token budget. Short of blocks, the drafts are
+dropped before anyone is preempted. ``update_from_output`` then takes the verified run
+(the accepted drafts and the target's token), appends it up to the first stop, and sets
+``num_computed_tokens`` to cover only the accepted tokens: the KV written for rejected
+drafts is overwritten later, and as blocks are hashed only up to ``num_computed_tokens``,
+drafted tokens never enter the prefix cache.
+
 Beam search: the live beams of a request are one unit. They sit side by side in
 ``running`` (and in ``waiting`` once preempted), are admitted only all together,
 compute their last tokens in the same step (chunked prefill stops each beam
@@ -41,13 +50,14 @@ from pagedllm.core.stop_policy import StopPolicy
 @dataclass(slots=True)
 class ScheduledSequence:
     seq: Sample
-    num_tokens: int  # tokens computed for it this step
+    num_tokens: int  # tokens computed for it this step, drafted ones included
+    spec_token_ids: tuple[int, ...] = ()  # drafted tokens verified this step, after the sequence's last token
 
     @property
     def completes_prefill(self) -> bool:
         """This step reaches the sequence's last token, so its logits get sampled (before the update)."""
         seq = self.seq
-        return seq.num_computed_tokens + self.num_tokens == len(seq.token_ids)
+        return seq.num_computed_tokens + self.num_tokens == len(seq.token_ids) + len(self.spec_token_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +83,10 @@ class SchedulerOutput:
     # Sequences that finished since the previous step: the worker drops their persistent state.
     finished_seq_ids: tuple[int, ...] = ()
     beams: tuple[BeamBatch, ...] = ()  # beam groups: not in ``samples``, they take candidates instead
-    # The index in ``scheduled`` of each sequence that completes its prefill (logits row i is completing[i]).
+    # The index in ``scheduled`` of each sequence that completes its prefill. Logits rows follow them in order:
+    # one row each, or 1 + k rows for a sequence verifying k drafted tokens (one per position).
     completing: tuple[int, ...] = ()
+    num_drafted: int = 0  # drafted tokens scheduled this step, over all sequences
 
     @property
     def num_tokens(self) -> int:
@@ -146,6 +158,7 @@ class Scheduler:
 
         allocate = self.kv.allocate  # bound once: the loop below runs for every running sequence
         index = 0
+        num_drafted = 0
         # Victims are popped from the end, so the sequences still ahead of ``index`` are all running.
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
@@ -155,28 +168,36 @@ class Scheduler:
                 index += advance
                 continue
             num_tokens = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            while not allocate(seq, num_tokens):
+            drafts: tuple[int, ...] = ()
+            if seq.spec_token_ids and seq.num_computed_tokens + num_tokens == len(seq.token_ids):
+                drafts = tuple(seq.spec_token_ids[: budget - num_tokens])  # they follow its last token
+            while not allocate(seq, num_tokens + len(drafts)):
+                if drafts:  # speculation never preempts anyone: drop the drafts first
+                    drafts = ()
+                    continue
                 victims = self._preempt_last()
                 preempted.extend(victims)
                 if seq in victims:
                     break
             else:
-                scheduled.append(ScheduledSequence(seq, num_tokens))
-                budget -= num_tokens
+                scheduled.append(ScheduledSequence(seq, num_tokens + len(drafts), drafts))
+                budget -= num_tokens + len(drafts)
+                num_drafted += len(drafts)
             index += 1
 
         if not self.running:
             self._static_batch_formed = False
         if not preempted and not (self.static_batching and self._static_batch_formed):
             self._admit_waiting(budget, scheduled)
-        return self._with_samples(tuple(scheduled), tuple(preempted))
+        return self._with_samples(tuple(scheduled), tuple(preempted), num_drafted)
 
-    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: Seq[int],
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: Seq[int | Seq[int]],
                            beam_candidates: Seq[Seq[BeamCandidate]] = ()) -> list[Sample]:
         """Apply a step's results; returns the sequences that finished at a token-level stop
         (and the last beams of the beam searches that ended).
 
-        ``sampled_token_ids[i]`` is the token drawn for ``out.samples[i]``; ``beam_candidates[j]``
+        ``sampled_token_ids[i]`` is the token drawn for ``out.samples[i]``, or, for a sample that verified
+        drafted tokens, a list: the drafts it accepted, then the target's own token. ``beam_candidates[j]``
         are the best candidates of ``out.beams[j]``, best first.
         """
         if len(sampled_token_ids) != len(out.samples):
@@ -188,11 +209,18 @@ class Scheduler:
             seq = item.seq
             if seq.is_finished:  # ended (error) between schedule and update: its blocks are gone
                 continue
-            seq.num_computed_tokens += item.num_tokens
+            # Drafted positions count only once accepted (below).
+            seq.num_computed_tokens += item.num_tokens - len(item.spec_token_ids)
             cache_full_blocks(seq)
         finished: list[Sample] = []
         for seq, token_id in zip(out.samples, sampled_token_ids):
             if seq.is_finished:
+                continue
+            if seq.spec_token_ids:  # proposals for the old last token: stale now
+                seq.spec_token_ids = []
+            if type(token_id) is not int:
+                if self._append_verified(seq, token_id):
+                    finished.append(seq)
                 continue
             seq.token_ids.append(token_id)
             reason = self.stop_policy.finish_reason(seq, token_id)
@@ -207,7 +235,22 @@ class Scheduler:
             self.running[:] = [placed for seq in self.running for placed in places.get(seq, (seq,))]
         return finished
 
-    def _with_samples(self, scheduled: tuple[ScheduledSequence, ...], preempted: tuple[Sample, ...]) -> SchedulerOutput:
+    def _append_verified(self, seq: Sample, token_ids: Seq[int]) -> bool:
+        """Append a verified run up to its first stop; the KV of its accepted drafts counts as computed.
+        Returns whether ``seq`` finished."""
+        for token_id in token_ids:
+            seq.token_ids.append(token_id)
+            reason = self.stop_policy.finish_reason(seq, token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+                return True
+        # Every token but the last was fed at this step: the last sampled one, then the accepted drafts.
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        self.kv.cache_full_blocks(seq)
+        return False
+
+    def _with_samples(self, scheduled: tuple[ScheduledSequence, ...], preempted: tuple[Sample, ...],
+                      num_drafted: int) -> SchedulerOutput:
         """Fork the siblings of requests sampling their first token; list every sampler row."""
         samples: list[Sample] = []
         rows: list[int] = []
@@ -239,7 +282,7 @@ class Scheduler:
         return SchedulerOutput(scheduled=scheduled, block_copies=tuple(self.kv.take_pending_copies()),
                                preempted=preempted, samples=tuple(samples), sample_logit_rows=tuple(rows),
                                forked=tuple(forked), finished_seq_ids=finished, beams=beams,
-                               completing=tuple(completing))
+                               completing=tuple(completing), num_drafted=num_drafted)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> None:
         # A static batch, once formed, admits nobody until all of it has finished; it
@@ -403,6 +446,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sample) -> None:
         self._reserved_forks -= seq.pending_forks
+        seq.spec_token_ids = []
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SampleStatus.WAITING

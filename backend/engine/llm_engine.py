@@ -25,6 +25,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.engine.structured_outputs import StructuredOutputs
 from pagedllm.engine.prompt_logprobs import PromptLogprobsCollector
+from pagedllm.engine.speculative import SpecDecodeCounts, SpeculativeDecoding, check_supported
 from pagedllm.lora.request import LoRARequest
 from pagedllm.core.model_source import DEFAULT_MODEL_DIR, resolve_model_dir
 from pagedllm.core.sampling_params import SamplingParams
@@ -53,6 +54,7 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     block_size: int
+    spec_decode: SpecDecodeCounts | None = None  # speculative decoding's counts; None when it is off
 
     @property
     def num_blocks_used(self) -> int:
@@ -68,6 +70,8 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.speculative_config is not None:
+            check_supported(config.speculative_config)
         model_dir = resolve_model_dir(config.model, config.revision) if config.model is not None else DEFAULT_MODEL_DIR
         if not (model_dir / "config.json").is_file():
             raise ValueError(f"model={str(model_dir)!r} is not a Hugging Face checkpoint directory (no config.json)")
@@ -93,6 +97,8 @@ class LLMEngine:
         self.limits = AdmissionLimits(self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
                                       self.model.vocab_size, num_blocks, config.block_size)
         self.sampler = Sampler()
+        self.speculative = (None if config.speculative_config is None
+                            else SpeculativeDecoding(config.speculative_config, self.scheduler.stop_policy))
         self.structured = StructuredOutputs(self.tokenizer, self.model.vocab_size, self.eos_token_ids,
                                             config.structured_outputs_compile_timeout_s, config.max_num_seqs)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -116,6 +122,8 @@ class LLMEngine:
             raise ValueError(f"request_id={request_id!r} is already in flight")
         prompt_ids, text = tokenize_prompt(self.tokenizer, prompt, self.model.vocab_size)
         check_request(prompt_ids, params, self.limits)
+        if self.speculative is not None:
+            self.speculative.check_request(params)
         if lora_request is not None:
             if self.lora is None:
                 raise ValueError(f"lora_request={lora_request.lora_name!r} needs an engine with enable_lora=true")
@@ -159,6 +167,8 @@ class LLMEngine:
         if self.scheduler.has_work():
             out = self.scheduler.schedule()
             self.structured.release(out.finished_seq_ids)
+            if self.speculative is not None:
+                self.speculative.release(out.finished_seq_ids)
             for child in out.forked:
                 self._track_sequence(child)
             if out.scheduled:
@@ -188,6 +198,7 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             block_size=self.kv.block_size,
+            spec_decode=None if self.speculative is None else self.speculative.snapshot(),
         )
 
     def _run(self, out: SchedulerOutput, deltas: dict[str, list[CompletionDelta]], errors: dict[str, str]) -> None:
@@ -200,6 +211,15 @@ class LLMEngine:
             raise
         if self.prompt_logprobs.wanted():
             self.prompt_logprobs.collect(out, self.runner.last_hidden, self.model.compute_logits)
+        if out.num_drafted:
+            self._verify(out, logits, deltas, errors)
+        else:
+            self._sample_step(out, logits, deltas, errors)
+        if self.speculative is not None:
+            self.speculative.propose(out.samples, len(self.scheduler.running))
+
+    def _sample_step(self, out: SchedulerOutput, logits: torch.Tensor, deltas: dict[str, list[CompletionDelta]],
+                     errors: dict[str, str]) -> None:
         candidates = [self._beam_candidates(logits, batch) for batch in out.beams]
         if out.beams or len(out.samples) != logits.shape[0]:
             logits = logits[torch.tensor(out.sample_logit_rows, device=logits.device, dtype=torch.long)]
@@ -226,6 +246,97 @@ class LLMEngine:
             except Exception as error:  # decoding a hypothesis failed: this request's fault alone
                 log.exception("output processing failed for request %s", request_id)
                 errors[request_id] = f"output processing failed: {error}"
+
+    def _verify(self, out: SchedulerOutput, logits: torch.Tensor, deltas: dict[str, list[CompletionDelta]],
+                errors: dict[str, str]) -> None:
+        """A step holding drafted tokens (pagedllm.engine.speculative): each sample's target token at every
+        position it speculated, the verified runs applied and emitted. Beams and grammars never get here."""
+        speculative = self.speculative
+        if speculative is None:
+            raise RuntimeError("a step holds drafted tokens but speculative decoding is off")
+        first_rows: list[int] = []  # each completing sequence's first logits row
+        row = 0
+        for index in out.completing:
+            first_rows.append(row)
+            row += 1 + len(out.scheduled[index].spec_token_ids)
+        picks: list[int] = []
+        rows: list[SamplingRow] = []
+        owners: list[Sample] = []
+        drafts_of: list[tuple[int, ...]] = []
+        for seq, logit_row in zip(out.samples, out.sample_logit_rows):
+            drafts = out.scheduled[out.completing[logit_row]].spec_token_ids
+            drafts_of.append(drafts)
+            base = self._sampling_row(seq)
+            for position in range(len(drafts) + 1):
+                picks.append(first_rows[logit_row] + position)
+                rows.append(base if position == 0 else self._position_row(seq, base, drafts[:position]))
+                owners.append(seq)
+        tokens = self._sample(logits[torch.tensor(picks, device=logits.device, dtype=torch.long)], owners, errors,
+                              rows)
+        runs: list[list[SampledToken] | None] = []
+        offset = 0
+        for seq, drafts in zip(out.samples, drafts_of):
+            target = tokens[offset : offset + len(drafts) + 1]
+            offset += len(drafts) + 1
+            if any(token is None for token in target):
+                runs.append(None)
+                self._fail(seq.request, errors[seq.request.request_id])
+            else:
+                verified = [token for token in target if token is not None]
+                runs.append(speculative.accept(drafts, verified) if drafts else verified)
+        lengths = [len(seq.token_ids) for seq in out.samples]
+        self.scheduler.update_from_output(out, [
+            0 if run is None else run[0].token_id if len(run) == 1 else [token.token_id for token in run]
+            for run in runs])
+        self._emit_runs(out.samples, runs, lengths, deltas, errors)
+
+    def _position_row(self, seq: Sample, base: SamplingRow, drafts: tuple[int, ...]) -> SamplingRow:
+        """The sampling row of the position after ``drafts``: penalties and ``min_tokens`` count them too."""
+        params = base.params
+        penalties = None if base.penalties is None else base.penalties.extended(drafts)
+        suppressed: tuple[int, ...] = ()
+        if params.min_tokens and seq.num_output_tokens + len(drafts) < params.min_tokens:
+            suppressed = (*(() if params.ignore_eos else tuple(self.eos_token_ids)), *params.stop_token_ids)
+        return SamplingRow(params, base.generator, penalties, suppressed)
+
+    def _emit_runs(self, samples: Seq[Sample], runs: Seq[list[SampledToken] | None], lengths: Seq[int],
+                   deltas: dict[str, list[CompletionDelta]], errors: dict[str, str]) -> None:
+        """Output processing of a verification step: each sample's tokens, up to where it stopped, as one delta."""
+        rows = self._rows
+        for seq, run, length in zip(samples, runs, lengths):
+            request_id = seq.request.request_id
+            if run is None or request_id in errors:
+                continue
+            appended = run[: len(seq.token_ids) - length]  # the scheduler cut the run at a token-level stop
+            merged: CompletionDelta | None = None
+            try:
+                penalties = rows[seq.seq_id].penalties
+                for position, token in enumerate(appended):
+                    if length + position == seq.num_prompt_tokens and seq.index == 0:  # its first token
+                        self._prompt_tokens_total += seq.num_prompt_tokens
+                    if token.logprob is not None:
+                        seq.cumulative_logprob += token.logprob
+                    if penalties is not None:
+                        penalties.append(token.token_id)
+                    delta = self.outputs.process(seq, token, last=position == len(appended) - 1)
+                    merged = delta if merged is None else _joined(merged, delta)
+                    self._generation_tokens_total += 1
+                    if delta.finish_reason == "stop" and seq.finish_reason != "stop":  # a stop string
+                        if seq.is_finished:
+                            seq.finish_reason = "stop"
+                        else:
+                            self.scheduler.finish(seq, "stop")
+                        del seq.token_ids[length + position + 1 :]  # the rest of the run is not output
+                        break
+                if seq.is_finished:
+                    del rows[seq.seq_id]
+            except Exception as error:  # a detokenizer or stop-string fault is this request's alone
+                log.exception("output processing failed for request %s", request_id)
+                errors[request_id] = f"output processing failed: {error}"
+                self._fail(seq.request, errors[request_id])
+                continue
+            if merged is not None:
+                deltas.setdefault(request_id, []).append(merged)
 
     def _beam_candidates(self, logits: torch.Tensor, batch: BeamBatch) -> list[BeamCandidate]:
         search = _beam_search_of(batch.request)
@@ -283,10 +394,12 @@ class LLMEngine:
                 request_deltas.append(delta)
         self._generation_tokens_total += emitted
 
-    def _sample(self, logits: torch.Tensor, samples: Seq[Sample],
-                errors: dict[str, str]) -> list[SampledToken | None]:
-        """One token per sample; a row whose parameters make the sampler fail gets None (and an error)."""
-        rows = [self._sampling_row(seq) for seq in samples]
+    def _sample(self, logits: torch.Tensor, samples: Seq[Sample], errors: dict[str, str],
+                rows: Seq[SamplingRow] | None = None) -> list[SampledToken | None]:
+        """One token per sample (per row of ``rows``, owned by ``samples``, when given); a row whose parameters
+        make the sampler fail gets None (and an error)."""
+        if rows is None:
+            rows = [self._sampling_row(seq) for seq in samples]
         try:
             return list(self.sampler(logits, rows))
         except Exception:
@@ -409,6 +522,13 @@ class LLMEngine:
             return
         held = sum(seq.num_computed_tokens for seq in self.scheduler.running)
         self._peak_tokens_held = held + out.num_tokens
+
+
+def _joined(first: CompletionDelta, then: CompletionDelta) -> CompletionDelta:
+    """One delta for two consecutive ones of the same sample."""
+    logprobs = None if first.logprobs is None or then.logprobs is None else first.logprobs + then.logprobs
+    return CompletionDelta(first.index, first.text + then.text, first.token_ids + then.token_ids,
+                           then.cumulative_logprob, logprobs, then.finish_reason)
 
 
 def _beam_search_of(request: Request) -> BeamSearch:

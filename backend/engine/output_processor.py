@@ -25,18 +25,20 @@ class OutputProcessor:
         self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                                                 request.params)
 
-    def process(self, seq: Sample, token: SampledToken) -> CompletionDelta:
+    def process(self, seq: Sample, token: SampledToken, last: bool = True) -> CompletionDelta:
         """The delta for ``token``, just appended to ``seq`` (which the scheduler may already have finished).
 
         Its finish reason is "stop" when a stop string ended the sample; the engine must then end it.
+        ``last=False``: a token of a verified speculative run that others follow, so the sample's
+        finish reason (set by a later token) is not its own.
         """
         params = seq.request.params
         detokenizer = self._detokenizers[seq.seq_id]
-        reason = seq.finish_reason
+        reason = seq.finish_reason if last else None
         if reason is None and not params.stop:  # most tokens: no stop string to find, nothing to flush
             text = detokenizer.feed(token.token_id)
         else:
-            text, reason = self._text_at_stops(seq, detokenizer, token.token_id)
+            text, reason = self._text_at_stops(reason, seq, detokenizer, token.token_id)
             if reason is not None:
                 del self._detokenizers[seq.seq_id]
         if params.logprobs is None:
@@ -47,9 +49,9 @@ class OutputProcessor:
                                cumulative_logprob=seq.cumulative_logprob, logprobs=logprobs, finish_reason=reason)
 
     @staticmethod
-    def _text_at_stops(seq: Sample, detokenizer: IncrementalDetokenizer, token_id: int) -> tuple[str, str | None]:
-        """The text and finish reason of a token that ends its sample or may complete a stop string."""
-        reason = seq.finish_reason
+    def _text_at_stops(reason: str | None, seq: Sample, detokenizer: IncrementalDetokenizer,
+                       token_id: int) -> tuple[str, str | None]:
+        """The text and finish reason of a token that ends its sample (``reason``) or may complete a stop string."""
         stop_string = None
         # As in vLLM, the EOS / stop token that ends a sample is not part of its text.
         if reason == "stop" and not seq.request.params.include_stop_str_in_output:

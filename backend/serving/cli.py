@@ -76,6 +76,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="with --model: an engine argument for model.json, e.g. dtype=float32 or max_model_len=4096 "
                              "(VALUE is read as JSON when it parses, else as a string); repeatable")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="with --model: speculative decoding as vllm serve takes it, e.g. "
+                             '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
     parser.add_argument("--max-reloads", type=int, default=DEFAULT_MAX_RELOADS,
                         help="exit (code 1) after this many failed engine restarts in a row "
                              "(each restart: a model reload, or a tritonserver restart when a backend stub died)")
@@ -122,8 +125,9 @@ def _serve(args: argparse.Namespace, scratch: Path | None, supervision: Path) ->
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{flag} must be a port number in [0, 65535], got {port}")
         supervision.mkdir(parents=True, exist_ok=True)  # a caller-named folder may not exist yet
-        if not args.model and (args.engine_arg or args.served_model_name or args.lora_modules):
-            raise ValueError("--engine-arg, --served-model-name and --lora-modules go with --model")
+        if not args.model and (args.engine_arg or args.served_model_name or args.lora_modules
+                               or args.speculative_config):
+            raise ValueError("--engine-arg, --served-model-name, --lora-modules and --speculative-config go with --model")
         if args.allow_runtime_lora_updating and args.openai_port is None:
             raise ValueError("--allow-runtime-lora-updating goes with --openai-port")
         repository = generated_repository(args, scratch) if scratch else args.model_repository or bundled_model_repository()
@@ -230,6 +234,11 @@ def generated_repository(args: argparse.Namespace, root: Path) -> Path:
     engine_args = parse_engine_args(args.engine_arg)
     if "model" in engine_args:
         raise ValueError("--engine-arg model=...: pass the model with --model")
+    if args.speculative_config is not None:
+        try:
+            engine_args["speculative_config"] = json.loads(args.speculative_config)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--speculative-config is not valid JSON ({error})") from error
     revision = engine_args.get("revision")
     model_dir = resolve_model_dir(args.model, revision if isinstance(revision, str) else None)
     adapters = parse_lora_modules(args.lora_modules)

@@ -64,7 +64,7 @@ class InputBatch:
         # The attention metadata is int32, as the kernels read it: held so, it needs no conversion per step.
         self._query_start_loc = buffer(max_rows + 1, dtype=torch.int32)
         self._seq_lens = buffer(max_rows, dtype=torch.int32)
-        self._logits_indices = buffer(max_rows)
+        self._logits_indices = buffer(max_tokens)  # speculative steps read logits at every drafted position
         self._step_table = buffer(max_rows, max_blocks_per_seq, dtype=torch.int32)
         # One row per running sequence; rows are recycled when sequences finish or are preempted.
         self._tables = np.zeros((max_rows, max_blocks_per_seq), dtype=np.int32)
@@ -107,6 +107,8 @@ class InputBatch:
             for item in scheduled:  # list slices, not a Python loop over every prompt token
                 start = item.seq.num_computed_tokens
                 chunks += item.seq.token_ids[start : start + item.num_tokens]
+                if item.spec_token_ids:
+                    chunks += item.spec_token_ids
             input_ids[:num_tokens] = chunks
         input_ids[num_tokens:] = 0
 
@@ -126,9 +128,15 @@ class InputBatch:
         slot_mapping[num_tokens:] = -1  # padding writes no KV
 
         completing = step.completing
-        logits_indices = self._logits_indices[: len(completing)]
+        logits_indices = self._logits_indices[: len(completing) + step.num_drafted]
         ends = query_start_loc[1 : num_seqs + 1]
-        if len(completing) == num_seqs:  # every row samples: the usual decode step
+        if step.num_drafted:  # a verifying sequence needs the logits of its last 1 + k positions
+            widths = np.fromiter((1 + len(scheduled[i].spec_token_ids) for i in completing), dtype=np.int64,
+                                 count=len(completing))
+            firsts = np.repeat(ends[list(completing)] - widths, widths)
+            np.add(firsts, np.arange(len(logits_indices)) - np.repeat(np.cumsum(widths) - widths, widths),
+                   out=logits_indices)
+        elif len(completing) == num_seqs:  # every row samples: the usual decode step
             np.subtract(ends, 1, out=logits_indices)
         else:
             logits_indices[:] = ends[list(completing)] - 1

@@ -23,19 +23,34 @@ class PenaltyState:
     step never walks a sample's whole context.
     """
 
-    __slots__ = ("_prompt", "_pending", "_mask", "_counts")
+    __slots__ = ("_prompt", "_pending", "_mask", "_counts", "_base")
 
     def __init__(self, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int] = ()) -> None:
         self._prompt = tuple(prompt_token_ids)
         self._pending = list(output_token_ids)
         self._mask: torch.Tensor | None = None
         self._counts: torch.Tensor | None = None
+        self._base: PenaltyState | None = None
 
     def append(self, token_id: int) -> None:
         self._pending.append(token_id)
 
+    def extended(self, token_ids: Sequence[int]) -> PenaltyState:
+        """A one-use view of this history followed by ``token_ids`` (the drafted tokens before a speculated
+        position), leaving this one as it is."""
+        view = PenaltyState((), token_ids)
+        view._base = self
+        return view
+
     def tensors(self, vocab: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(in_prompt bool [vocab], output counts [vocab])."""
+        if self._base is not None:
+            mask, counts = self._base.tensors(vocab, device, dtype)
+            counts = counts.clone()
+            if self._pending:
+                ids = torch.tensor(self._pending, dtype=torch.long, device=device)
+                counts.index_add_(0, ids, torch.ones(len(self._pending), dtype=dtype, device=device))
+            return mask, counts
         if self._mask is None or self._counts is None:
             self._mask = torch.zeros(vocab, dtype=torch.bool, device=device)
             self._mask[torch.tensor(self._prompt, dtype=torch.long, device=device)] = True

@@ -16,6 +16,14 @@ and alerts work unchanged:
   first token, ``vllm:time_per_output_token_seconds`` at each later token-producing step,
   its gap since the request's previous one (vLLM's inter-token latencies).
 
+With ``speculative_config``, vLLM's speculative-decoding counters (its v1 names): ``vllm:spec_decode_num_drafts``
+(verifications of a sample holding drafted tokens), ``vllm:spec_decode_num_draft_tokens``,
+``vllm:spec_decode_num_accepted_tokens`` and ``vllm:spec_decode_num_accepted_tokens_per_pos`` (label
+``position``, 0 to k-1: drafts accepted at that position). The acceptance rate is
+``rate(vllm:spec_decode_num_accepted_tokens[5m]) / rate(vllm:spec_decode_num_draft_tokens[5m])``, the mean
+acceptance length (tokens per verifying step, the bonus token included)
+``1 + rate(vllm:spec_decode_num_accepted_tokens[5m]) / rate(vllm:spec_decode_num_drafts[5m])``.
+
 Our own series, which vllm_backend does not have: counters ``pagedllm:num_preemptions_total``
 and ``pagedllm:engine_restarts_total`` (restarts of this model by ``pagedllm serve``'s
 supervisor, which keeps the count across the restarts; see ``serving.supervision``);
@@ -108,6 +116,20 @@ def metric_specs(max_model_len: int) -> tuple[MetricSpec, ...]:
     )
 
 
+SPEC_DECODE_SPECS = (
+    MetricSpec("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "counter"),
+    MetricSpec("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "counter"),
+    MetricSpec("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "counter"),
+)
+SPEC_DECODE_PER_POSITION = MetricSpec("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", "counter")
+# spec-decode counter series -> the cumulative SpecDecodeCounts field it follows
+_SPEC_DECODE_SOURCES = {
+    "vllm:spec_decode_num_drafts": "num_drafts",
+    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+}
+
 # counter series -> the cumulative EngineStats field it follows
 _COUNTER_SOURCES = {
     "vllm:prompt_tokens_total": "prompt_tokens_total",
@@ -164,8 +186,10 @@ class TritonMetrics:
     """Publishes engine snapshots and finished-request timings to Triton metric families."""
 
     def __init__(self, make_family: FamilyFactory, labels: Mapping[str, str], max_model_len: int,
-                 interval_s: float = 0.1) -> None:
-        specs = metric_specs(max_model_len)
+                 speculative_positions: int = 0, interval_s: float = 0.1) -> None:
+        """``speculative_positions``: the engine's ``num_speculative_tokens``; 0 (speculation off) leaves the
+        ``vllm:spec_decode_*`` series out, as vLLM does."""
+        specs = metric_specs(max_model_len) + (SPEC_DECODE_SPECS if speculative_positions else ())
         # Families must stay referenced: Triton drops a family's metrics when it is garbage collected.
         self._families = {s.name: make_family(s.name, s.description, s.kind) for s in specs}
         self._metrics = {
@@ -173,6 +197,14 @@ class TritonMetrics:
                      if s.buckets else self._families[s.name].Metric(labels=dict(labels)))
             for s in specs
         }
+        self._per_position: list[Any] = []
+        if speculative_positions:
+            family = make_family(SPEC_DECODE_PER_POSITION.name, SPEC_DECODE_PER_POSITION.description, "counter")
+            self._families[SPEC_DECODE_PER_POSITION.name] = family
+            self._per_position = [family.Metric(labels={**labels, "position": str(position)})
+                                  for position in range(speculative_positions)]
+        self._published_spec = dict.fromkeys(_SPEC_DECODE_SOURCES, 0)
+        self._published_per_position = [0] * speculative_positions
         self._interval_s = interval_s
         self._published_counters = dict.fromkeys(_COUNTER_SOURCES, 0)
         self._latest: Any = None
@@ -243,6 +275,20 @@ class TritonMetrics:
                     self._published_counters[name] = value
             for name, value in gauge_values(stats).items():
                 self._metrics[name].set(value)
+            spec = getattr(stats, "spec_decode", None)
+            if spec is not None and self._per_position:
+                self._publish_spec_decode(spec)
         for timings in steps:
             for name, value in step_observations(timings):
                 self._metrics[name].observe(value)
+
+    def _publish_spec_decode(self, spec: Any) -> None:
+        for name, source in _SPEC_DECODE_SOURCES.items():
+            value = int(getattr(spec, source))
+            if value > self._published_spec[name]:
+                self._metrics[name].increment(value - self._published_spec[name])
+                self._published_spec[name] = value
+        for position, (metric, value) in enumerate(zip(self._per_position, spec.num_accepted_tokens_per_pos)):
+            if value > self._published_per_position[position]:
+                metric.increment(value - self._published_per_position[position])
+                self._published_per_position[position] = value

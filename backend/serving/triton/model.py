@@ -138,7 +138,9 @@ class TritonPythonModel:
         if self._supervision is not None:
             self._engine.step = self._supervision.with_fault_hook(self._model_name, self._engine.step)
         self._max_prompt_bytes = self._engine.max_model_len * MAX_PROMPT_BYTES_PER_TOKEN
-        self._metrics = (self._create_metrics({"model": args["model_name"], "version": args["model_version"]})
+        speculative = engine_config.speculative_config
+        self._metrics = (self._create_metrics({"model": args["model_name"], "version": args["model_version"]},
+                                              0 if speculative is None else speculative.num_speculative_tokens)
                          if report_metrics else None)
         if self._metrics is not None and self._supervision is not None:
             self._metrics.count_restarts(self._supervision.restarts(self._model_name))
@@ -159,7 +161,7 @@ class TritonPythonModel:
         self._logger.log_info(f"[pagedllm] ready: max_model_len={self._engine.max_model_len}, "
                               f"{self._engine.stats().num_blocks_total} KV blocks of {engine_config.block_size}")
 
-    def _create_metrics(self, labels: dict[str, str]) -> TritonMetrics | None:
+    def _create_metrics(self, labels: dict[str, str], speculative_positions: int) -> TritonMetrics | None:
         # MetricFamily only exists once the stub serves a model (not during auto-complete).
         kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE,
                  "histogram": pb_utils.MetricFamily.HISTOGRAM}
@@ -168,7 +170,7 @@ class TritonPythonModel:
             return pb_utils.MetricFamily(name=name, description=description, kind=kinds[kind])
 
         try:
-            return TritonMetrics(make_family, labels, self._engine.max_model_len)
+            return TritonMetrics(make_family, labels, self._engine.max_model_len, speculative_positions)
         except pb_utils.TritonModelException as error:
             # Raised when the server runs with --allow-metrics=false.
             self._logger.log_warn(f"[pagedllm] custom metrics unavailable: {error}")

@@ -1,0 +1,97 @@
+"""Speculative decoding settings, spelled as vLLM's ``speculative_config``.
+
+``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``
+turns on prompt-lookup speculation: each decoding sequence proposes up to ``k`` tokens copied from
+its own earlier context, and the target model verifies them in the next step
+(``pagedllm.engine.speculative``). As in vLLM, a missing ``prompt_lookup_min`` / ``prompt_lookup_max``
+takes the other's value, and both default to 5 when neither is given.
+
+``disable_by_batch_size`` (vLLM's name): a step with more running sequences than this proposes
+nothing, because verifying drafts then costs compute that a large batch no longer has to spare.
+``None`` keeps our measured default (``DEFAULT_DISABLE_BY_BATCH_SIZE``); ``0`` never disables.
+
+Torch-free, like the rest of the configuration.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram", "draft_model")
+_DEFAULT_LOOKUP = 5
+# The most drafted tokens a step may verify per sequence: beyond this the acceptance of a
+# prompt-lookup run is tiny and each position still costs a forward row.
+MAX_SPECULATIVE_TOKENS = 16
+# Above this many running sequences a step decodes normally: half the batch size where n-gram speculation
+# stopped paying on a CPU with the default model (pagedllm bench spec --disable-by-batch-size 0; RESULTS).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None  # the draft checkpoint (method draft_model)
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.method in METHODS, "method", self.method, f"one of {', '.join(METHODS)}")
+        _require(_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+                 "num_speculative_tokens", self.num_speculative_tokens, f"an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = _DEFAULT_LOOKUP
+        low, high = (high if low is None else low), (low if high is None else high)
+        _require(_int(low) and low >= 1, "prompt_lookup_min", self.prompt_lookup_min, "an integer >= 1")
+        _require(_int(high) and high >= low, "prompt_lookup_max", self.prompt_lookup_max,
+                 f"an integer >= prompt_lookup_min ({low})")
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+        if self.method == "draft_model":
+            _require(isinstance(self.model, str) and bool(self.model), "model", self.model,
+                     "the draft checkpoint (a directory or hub id) with method draft_model")
+        else:
+            _require(self.model is None, "model", self.model, f"null with method {self.method!r}")
+        _require(self.disable_by_batch_size is None or (_int(self.disable_by_batch_size)
+                                                        and self.disable_by_batch_size >= 0),
+                 "disable_by_batch_size", self.disable_by_batch_size, "null or an integer >= 0")
+
+    @property
+    def max_batch_size(self) -> int | None:
+        """The most running sequences a speculating step may have; None: no limit."""
+        limit = DEFAULT_DISABLE_BY_BATCH_SIZE if self.disable_by_batch_size is None else self.disable_by_batch_size
+        return None if limit == 0 else limit
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str) -> SpeculativeConfig:
+        """From a mapping or its JSON text (``--speculative-config``); unknown keys raise ``ValueError`` naming them."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative_config is not valid JSON ({error})") from error
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s) {unknown}; allowed: {sorted(known)}")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in value:
+                raise ValueError(f"speculative_config.{key} is required")
+        return cls(**value)
+
+
+def _int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require(ok: bool, name: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"speculative_config.{name}={value!r} is invalid: expected {rule}")

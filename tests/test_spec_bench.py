@@ -1,0 +1,19 @@
+"""``pagedllm bench spec`` runs end to end at a tiny size (no timing is asserted): greedy tokens are checked
+equal inside the run, and the copying workload gets its drafts accepted."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pagedllm.cli import build_parser
+
+
+def test_spec_bench_tiny_run_writes_every_number(tmp_path: Path) -> None:
+    args = build_parser(load_benches=True).parse_args(
+        ["bench", "spec", "--concurrency", "1,2", "--runs", "1", "--max-tokens", "12", "--out", str(tmp_path)])
+    args.handler(args)
+    rows = json.loads((tmp_path / "spec.json").read_text())["rows"]
+    assert [(row["workload"], row["concurrency"]) for row in rows] == [
+        ("copying", 1), ("copying", 2), ("free", 1), ("free", 2)]
+    assert all(row["tpot_ms_without"] > 0 and row["tpot_ms_with"] > 0 for row in rows)
+    assert rows[0]["drafts"] > 0 and rows[0]["acceptance_length"] > 1
