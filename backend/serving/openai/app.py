@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pagedllm.engine import latency_trace
 
 from pagedllm.serving.openai.errors import OpenAIError, bad_request, validation_error
+from pagedllm.serving.openai.ignored_fields import note_ignored_fields
 from pagedllm.serving.openai.lora_adapters import LoRABase, RuntimeAdapters, add_runtime_lora_routes
 from pagedllm.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.serving.openai.responses import ResponseBuilder
@@ -82,6 +83,7 @@ def build_app(grpc_url: str, models: Sequence[ServedModel], tool_call_parser_nam
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        note_ignored_fields("/v1/completions", body.ignored_fields)
         model = _model(by_name, body.model)
         try:
             prompt, sampling = body.prompt_text(), body.sampling_parameters()
@@ -95,6 +97,7 @@ def build_app(grpc_url: str, models: Sequence[ServedModel], tool_call_parser_nam
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        note_ignored_fields("/v1/chat/completions", body.ignored_fields)
         model = _model(by_name, body.model)
         try:
             tools = body.tool_definitions()
