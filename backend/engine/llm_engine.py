@@ -5,7 +5,7 @@ Single-threaded by design; ``EngineLoop`` runs it on a thread for servers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence as Seq
+from collections.abc import Iterable, Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +54,12 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     block_size: int
+    enable_prefix_caching: bool = True
+    # LoRA, as vLLM's lora_requests_info reports it: the adapter slots (0: no LoRA), and the adapters of the
+    # running and of the waiting requests.
+    max_loras: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @property
     def num_blocks_used(self) -> int:
@@ -126,7 +132,8 @@ class LLMEngine:
                 raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
             self.prompt_logprobs.track(request_id, tuple(prompt_ids), params.prompt_logprobs)
         request = Request(request_id, text, tuple(prompt_ids), params,
-                          lora_int_id=0 if lora_request is None else lora_request.lora_int_id)
+                          lora_int_id=0 if lora_request is None else lora_request.lora_int_id,
+                          lora_name=None if lora_request is None else lora_request.lora_name)
         seq = request.spawn(list(prompt_ids))
         self._requests[request_id] = request
         if params.structured_outputs is not None:  # scheduled once its grammar has compiled, off the step path
@@ -189,6 +196,10 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             block_size=self.kv.block_size,
+            enable_prefix_caching=self.kv.enable_prefix_caching,
+            max_loras=0 if self.lora is None else self.config.max_loras,
+            running_lora_adapters=() if self.lora is None else _adapters(self.scheduler.running),
+            waiting_lora_adapters=() if self.lora is None else _adapters(self.scheduler.waiting),
         )
 
     def _run(self, out: SchedulerOutput, deltas: dict[str, list[CompletionDelta]], errors: dict[str, str]) -> None:
@@ -426,3 +437,8 @@ def _eos_token_ids(model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> froze
         elif value is not None:
             ids.update(value)
     return frozenset(ids)
+
+
+def _adapters(seqs: Iterable[Sequence]) -> tuple[str, ...]:
+    """The adapters ``seqs`` run through, each once, sorted."""
+    return tuple(sorted({seq.request.lora_name for seq in seqs if seq.request.lora_name is not None}))

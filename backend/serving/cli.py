@@ -283,8 +283,10 @@ def _start_openai(args: argparse.Namespace, server: TritonServer, models: list[S
         if not bases:
             raise RuntimeError("--allow-runtime-lora-updating: no served model has enable_lora in its model.json")
         runtime_lora = bases[0]
+    metrics_url = f"{grpc_url.rsplit(':', 1)[0]}:{server.metrics_port}"
     return OpenAIServer(grpc_url, models, host=args.host, port=args.openai_port,
-                        tool_call_parser=args.tool_call_parser, runtime_lora=runtime_lora).start()
+                        tool_call_parser=args.tool_call_parser, runtime_lora=runtime_lora,
+                        metrics_url=metrics_url).start()
 
 
 def add_install_backend_arguments(parser: argparse.ArgumentParser) -> None:
