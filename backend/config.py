@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.core.kv_events_config import KVEventsConfig
 from pagedllm.engine.cpu_binding import check_setting
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -64,6 +65,8 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # KV cache events for routers, vLLM's KVEventsConfig keys (pagedllm.core.kv_events_config); None: no events.
+    kv_events_config: dict | None = None
 
     def __post_init__(self) -> None:
         _require(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", self.dtype, f"one of auto, {', '.join(_DTYPES)}")
@@ -105,6 +108,13 @@ class EngineConfig:
                  "max_cpu_loras", self.max_cpu_loras, f"null or an integer >= max_loras={self.max_loras}")
         _require(not self.enable_lora or not self.cuda_graphs, "enable_lora", self.enable_lora,
                  "false with cuda_graphs: the decode graphs do not replay the LoRA segments")
+        if self.kv_events_config is not None:
+            KVEventsConfig.from_dict(self.kv_events_config)  # raises ValueError naming the bad key
+
+    @property
+    def kv_events(self) -> KVEventsConfig:
+        """``kv_events_config`` parsed (disabled when not given)."""
+        return KVEventsConfig() if self.kv_events_config is None else KVEventsConfig.from_dict(self.kv_events_config)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> EngineConfig:

@@ -15,12 +15,14 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 from pagedllm.config import EngineConfig
 from pagedllm.core.beam_search import BeamCandidate, BeamSearch
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_events import AllBlocksCleared
 from pagedllm.core.request import Request, Sequence, SequenceStatus
 from pagedllm.core.scheduler import BeamBatch, Scheduler, SchedulerOutput
 from pagedllm.core.stop_policy import StopPolicy
 from pagedllm.engine.admission import AdmissionLimits, check_request, tokenize_prompt
 from pagedllm.engine.device_side import set_up_device_side
 from pagedllm.engine.gc_tuning import collect_young_less_often
+from pagedllm.engine.kv_event_publisher import KVEventPublisher
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.engine.structured_outputs import StructuredOutputs
@@ -91,7 +93,14 @@ class LLMEngine:
         self.workers = side.workers
         num_blocks = side.num_blocks
         self.eos_token_ids = _eos_token_ids(model_dir, self.tokenizer)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        kv_events = config.kv_events
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 enable_kv_cache_events=kv_events.publishes)
+        # Only this engine (rank 0 of a tensor-parallel group) holds the KV cache manager, so only it publishes.
+        self.kv_events: KVEventPublisher | None = KVEventPublisher(kv_events) if kv_events.publishes else None
+        self._kv_events_lost = False
+        if self.kv_events is not None:
+            self.kv_events.publish([AllBlocksCleared()])  # whatever an earlier incarnation held is gone
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens,
             StopPolicy(self.max_model_len, self.eos_token_ids), static_batching=config.scheduling == "static",
@@ -173,14 +182,26 @@ class LLMEngine:
                 self._run(out, deltas, errors)
         for request_id in errors:
             deltas.setdefault(request_id, [])
+        if self.kv_events is not None:
+            self._publish_kv_events()
         return [self._request_output(request_id, items, errors.get(request_id), request_id in aborted)
                 for request_id, items in deltas.items()]
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any; the engine cannot step afterwards."""
+        """Stop the tensor-parallel workers, if any, and the KV event publisher; the engine cannot step afterwards."""
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.workers is not None:
             workers, self.workers = self.workers, None
             workers.close()
+
+    def _publish_kv_events(self) -> None:
+        """Hand this step's KV cache events to the publisher; after a batch was lost, the whole cache instead."""
+        events = self.kv.take_events()
+        if self._kv_events_lost:
+            events = self.kv.snapshot_events()
+        if events:
+            self._kv_events_lost = not self.kv_events.publish(events)  # type: ignore[union-attr]
 
     def stats(self) -> EngineStats:
         return EngineStats(
