@@ -11,16 +11,20 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import pytest
 import requests
 
+from kv_event_subscriber import replay
 from serve_process import follow, kill, wait_ready
+from pagedllm.core.kv_events import KVEventBatch
 from pagedllm.serving.server import free_port
 
 pytestmark = pytest.mark.tritonserver
@@ -37,11 +41,25 @@ STORY = ("Once upon a time in a land far away there lived a king who had three d
 @dataclass
 class Replica:
     process: subprocess.Popen[str]
-    url: str  # what the router routes to: the OpenAI door
-    metrics_url: str
-    events: str  # where a subscriber connects
-    replay: str
+    ports: tuple[int, ...]  # grpc, http, metrics, openai, events, replay: a restart reuses them
+    tmpdir: Path
     output: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:  # what the router routes to: the OpenAI door
+        return f"http://127.0.0.1:{self.ports[3]}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports[2]}/metrics"
+
+    @property
+    def events(self) -> str:  # where a subscriber connects
+        return f"tcp://127.0.0.1:{self.ports[4]}"
+
+    @property
+    def replay(self) -> str:
+        return f"tcp://127.0.0.1:{self.ports[5]}"
 
     def metric(self, name: str) -> float:
         for line in requests.get(self.metrics_url, timeout=10).text.splitlines():
@@ -50,8 +68,9 @@ class Replica:
         return 0.0
 
 
-def start_replica(model: Path, tmpdir: Path) -> Replica:
-    grpc, http, metrics, port, events, replay = (free_port() for _ in range(6))
+def start_replica(model: Path, tmpdir: Path, ports: tuple[int, ...] | None = None) -> Replica:
+    ports = ports or tuple(free_port() for _ in range(6))
+    grpc, http, metrics, port, events, replay = ports
     kv_events = (f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{events}", '
                  f'"replay_endpoint": "tcp://*:{replay}"}}')
     command = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", str(model), "--served-model-name", "tiny",
@@ -62,8 +81,7 @@ def start_replica(model: Path, tmpdir: Path) -> Replica:
                "--openai-port", str(port)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmpdir)}
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    replica = Replica(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics}/metrics",
-                      f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}")
+    replica = Replica(process, ports, tmpdir)
     follow(process, replica.output)
     return replica
 
@@ -170,3 +188,51 @@ def test_the_same_replicas_serve_the_other_policies(replicas: list[Replica], rou
     with ThreadPoolExecutor(3) as pool:
         texts = list(pool.map(lambda prompt: complete(url, prompt), prompts))
     assert all(isinstance(text, str) for text in texts) and len(texts) == len(prompts)
+
+
+@pytest.mark.skipif(not os.environ.get("PAGEDLLM_FULL_REPLICA_FAULTS"),
+                    reason="kills and restarts a replica (~1 min); set PAGEDLLM_FULL_REPLICA_FAULTS=1")
+def test_a_replica_killed_under_load_ends_its_streams_the_router_recovers_and_the_restart_clears(
+        replicas: list[Replica], router: Callable[[str], str], tiny_model_dir: Callable[[str], Path]) -> None:
+    """Runs last in this module: it kills replica 1 and leaves a restarted one in its place."""
+    url = router("round_robin")
+    first_chunks = threading.Semaphore(0)
+
+    def stream(index: int) -> str:
+        body = {"model": "tiny", "prompt": f"Stream {index}: " + STORY, "max_tokens": 400, "ignore_eos": True,
+                "stream": True}
+        seen_first = False
+        try:
+            with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=60) as answer:
+                lines = answer.iter_lines()
+                chunks = [next(lines, b"")]
+                seen_first = True
+                first_chunks.release()
+                chunks += list(lines)
+            return "done" if answer.status_code == 200 and b"data: [DONE]" in chunks else "error"
+        except (requests.RequestException, ValueError):
+            return "error"
+        finally:
+            if not seen_first:
+                first_chunks.release()
+
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(stream, i) for i in range(6)]
+        for _ in futures:  # every stream is under way
+            assert first_chunks.acquire(timeout=60)
+        victim = replicas[1]
+        kill(victim.process)  # SIGKILL: tritonserver and the engine die with it
+        outcomes = [future.result(timeout=120) for future in futures]  # every stream ends, one way or the other
+    assert set(outcomes) <= {"done", "error"} and "done" in outcomes
+    # The router stops sending traffic to the dead replica: every later request completes on the other one.
+    for i in range(4):
+        complete(url, f"After the fault {i}: " + STORY)
+    # The replica comes back on its ports; its first batch of events clears what the dead one held.
+    time.sleep(2)  # its tritonserver and stubs gone, their ports free
+    restarted = start_replica(tiny_model_dir("llama"), victim.tmpdir, victim.ports)
+    replicas[1] = restarted
+    wait_ready(restarted.process, restarted.output)
+    first = replay(restarted.replay, 0)[0]
+    assert first[1] == 0
+    decoded = msgspec.msgpack.Decoder(KVEventBatch).decode(first[2])
+    assert [type(event).__name__ for event in decoded.events] == ["AllBlocksCleared"]
