@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 # bench name -> module under pagedllm.bench exposing add_arguments(parser) and run(args)
-BENCHES = ("kernels", "graphs", "gpu", "throughput", "memory", "overhead", "serving", "latency", "sharing", "moe", "kv_accuracy", "tp", "structured", "lora", "all")
+BENCHES = ("kernels", "graphs", "gpu", "throughput", "memory", "overhead", "serving", "latency", "sharing", "moe", "kv_accuracy", "tp", "structured", "lora", "replicas", "all")
 
 
 def main(argv: list[str] | None = None) -> int:
