@@ -224,3 +224,27 @@ def test_events_off_by_default_and_with_the_null_publisher(tiny_model_dir: Calla
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
+
+
+def test_an_adapters_blocks_name_it_as_vllm_does() -> None:
+    """The adapter is part of the block key, so BlockStored names it: lora_id, lora_name, and (lora_name,) per block."""
+    from pagedllm.core.kv_cache_manager import KVCacheManager
+    from pagedllm.core.kv_events import BlockStored
+    from pagedllm.core.request import Request
+
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True, enable_kv_cache_events=True)
+    stored: list[BlockStored] = []
+    for lora_int_id, lora_name in ((3, "sql"), (0, None)):
+        request = Request(f"r{lora_int_id}", None, tuple(range(10, 19)), SamplingParams(max_tokens=1),
+                          lora_int_id=lora_int_id, lora_name=lora_name)
+        seq = request.spawn(list(request.prompt_token_ids))
+        assert kv.allocate(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        kv.cache_full_blocks(seq)
+        stored += kv.take_events()
+    adapter, base = stored
+    assert (adapter.lora_id, adapter.lora_name, adapter.extra_keys) == (3, "sql", [("sql",), ("sql",)])
+    assert (base.lora_id, base.lora_name, base.extra_keys) == (None, None, None)
+    assert adapter.token_ids == base.token_ids == list(range(10, 18)) and adapter.parent_block_hash is None
+    assert not set(adapter.block_hashes) & set(base.block_hashes)  # the same tokens, other keys
+    assert adapter.block_size == 4 and adapter.medium == "GPU"
