@@ -248,3 +248,22 @@ def test_an_adapters_blocks_name_it_as_vllm_does() -> None:
     assert adapter.token_ids == base.token_ids == list(range(10, 18)) and adapter.parent_block_hash is None
     assert not set(adapter.block_hashes) & set(base.block_hashes)  # the same tokens, other keys
     assert adapter.block_size == 4 and adapter.medium == "GPU"
+
+
+def test_the_snapshot_of_a_long_chain_lists_parents_first() -> None:
+    from pagedllm.core.kv_cache_manager import KVCacheManager
+    from pagedllm.core.request import Request
+
+    kv = KVCacheManager(3000, 1, enable_prefix_caching=True, enable_kv_cache_events=True)
+    request = Request("long", None, tuple(range(2500)), SamplingParams(max_tokens=1))
+    seq = request.spawn(list(request.prompt_token_ids))
+    assert kv.allocate(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    kv.cache_full_blocks(seq)
+    cleared, *stored = kv.snapshot_events()
+    assert type(cleared).__name__ == "AllBlocksCleared" and len(stored) == 2500
+    seen: set[bytes] = set()
+    for event in stored:  # a chain 2500 blocks deep, each block after its parent
+        assert event.parent_block_hash is None or event.parent_block_hash in seen
+        seen.update(event.block_hashes)
+    assert seen == kv.cached_block_hashes()

@@ -213,15 +213,18 @@ class KVCacheManager:
         """Events that bring a consumer from any state to this cache's: a clear, then every cached block,
         parents first (each with its token ids; the adapter is not kept per block, so none is named)."""
         depth: dict[int, int] = {}
-
-        def depth_of(block: Block) -> int:
-            if block.block_id not in depth:
-                parent = self._live_parent(block)
-                depth[block.block_id] = 0 if parent is None else depth_of(parent) + 1
-            return depth[block.block_id]
+        for block in self._cached.values():  # iteratively: a chain can be max_model_len / block_size long
+            chain: list[Block] = []
+            node: Block | None = block
+            while node is not None and node.block_id not in depth:
+                chain.append(node)
+                node = self._live_parent(node)
+            base = -1 if node is None else depth[node.block_id]
+            for offset, member in enumerate(reversed(chain), start=1):
+                depth[member.block_id] = base + offset
 
         events: list[KVCacheEvent] = [AllBlocksCleared()]
-        for block in sorted(self._cached.values(), key=depth_of):
+        for block in sorted(self._cached.values(), key=lambda block: depth[block.block_id]):
             parent = self._live_parent(block)
             events.append(BlockStored(block_hashes=[block.block_hash], token_ids=list(block.tokens),
                                       parent_block_hash=None if parent is None else parent.block_hash,
