@@ -88,8 +88,7 @@ def run(args: argparse.Namespace) -> None:
         for name, count, blocks in setups:
             print(f"running {name} ({count} x {blocks} blocks)...", file=sys.stderr, flush=True)
             with ExitStack() as stack:
-                fleet = [stack.enter_context(_replica(model, blocks, args, Path(scratch)))
-                         for _ in range(count)]
+                fleet = stack.enter_context(_fleet(count, model, blocks, args, Path(scratch)))
                 url = (fleet[0].url if count == 1
                        else stack.enter_context(_router(router, name, fleet, args.block_size)))
                 results.append({"setup": name, "replicas": count, "blocks_each": blocks,
@@ -160,7 +159,34 @@ def _stream(url: str, prompt: str, max_tokens: int) -> tuple[float, str, int]:
 
 
 @contextmanager
-def _replica(model: Path, blocks: int, args: argparse.Namespace, scratch: Path) -> Iterator[Replica]:
+def _fleet(count: int, model: Path, blocks: int, args: argparse.Namespace, scratch: Path) -> Iterator[list[Replica]]:
+    """``count`` replicas, started side by side; one that fails to start is started again on other ports."""
+    started: list[tuple[Replica, Path]] = []
+    pending: list[tuple[Replica, Path]] = []
+    try:
+        pending += [_start(model, blocks, args, scratch) for _ in range(count)]
+        deadline = time.monotonic() + 900
+        while pending:
+            replica, log = pending.pop(0)
+            if READY_LINE.encode() in log.read_bytes():
+                started.append((replica, log))
+            elif replica.process.poll() is not None:
+                errors = [line for line in log.read_text(errors="replace").splitlines() if "rror" in line]
+                print(f"a replica failed to start ({'; '.join(errors[-3:])[:500]}); starting it again",
+                      file=sys.stderr, flush=True)
+                pending.append(_start(model, blocks, args, scratch))
+            else:
+                pending.append((replica, log))
+                time.sleep(0.5)
+            if time.monotonic() > deadline:
+                raise RuntimeError("the replicas did not start within 15 minutes")
+        yield [replica for replica, _ in started]
+    finally:
+        for replica, _ in started + pending:
+            _stop(replica.process)
+
+
+def _start(model: Path, blocks: int, args: argparse.Namespace, scratch: Path) -> tuple[Replica, Path]:
     grpc, http, metrics, port, events, replay = (free_port() for _ in range(6))
     kv_events = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{events}",
                             "replay_endpoint": f"tcp://*:{replay}"})
@@ -169,25 +195,21 @@ def _replica(model: Path, blocks: int, args: argparse.Namespace, scratch: Path) 
                "--engine-arg", f"max_model_len={args.max_model_len}", "--engine-arg", "cpu_bind=off",
                "--kv-events-config", kv_events, "--host", "127.0.0.1", "--grpc-port", str(grpc),
                "--http-port", str(http), "--metrics-port", str(metrics), "--openai-port", str(port)]
-    log = open(scratch / f"replica-{port}.log", "w+b")  # noqa: SIM115 - closed below
+    log = scratch / f"replica-{port}.log"
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=scratch)
+    with open(log, "wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, cwd=scratch)
+    return Replica(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics}/metrics",
+                   f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}"), log
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
     try:
-        deadline = time.monotonic() + 600
-        while READY_LINE.encode() not in (scratch / f"replica-{port}.log").read_bytes():
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"a replica did not start:\n{(scratch / f'replica-{port}.log').read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield Replica(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics}/metrics",
-                      f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}")
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 @contextmanager
