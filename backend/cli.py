@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 # bench name -> module under pagedllm_bench exposing add_arguments(parser) and run(args)
-BENCHES = ("kernels", "graphs", "gpu", "throughput", "memory", "overhead", "serving", "latency", "sharing", "moe", "kv_accuracy", "tp", "roofline", "structured", "lora", "spec", "all")
+BENCHES = ("kernels", "graphs", "gpu", "throughput", "memory", "overhead", "serving", "latency", "sharing", "moe", "kv_accuracy", "tp", "roofline", "structured", "lora", "spec", "replicas", "all")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,6 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models import CausalLM, load_model
 from pagedllm.platform.cpu_dtypes import native_cpu_dtypes, unsupported_cpu_dtype_message
 from pagedllm.layers import cpu_linear
-from pagedllm.platform.cpu_dtypes import native_cpu_dtypes
 from pagedllm.layers.cpu_linear import SWITCH_ENV, MklPackedLinear, OneDnnLinear, PackedLinear, packed_linear_choice
 
 ARCHES = ["llama", "mistral", "qwen2", "qwen3"]

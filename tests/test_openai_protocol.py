@@ -88,3 +88,31 @@ def test_a_template_that_writes_bos_does_not_get_a_second_one(tiny_model_dir: Ca
     assert prompt == "[user] hi"
     bos_id = model.tokenizer.tokenizer.token_to_id(model.tokenizer.bos_token)
     assert model.tokenizer.encode(prompt).count(bos_id) == 1
+
+
+def test_unknown_fields_are_ignored_and_logged_once_known_ones_stay_strict(
+        http: TestClient, caplog: pytest.LogCaptureFixture) -> None:
+    # What vllm-router adds to every request it forwards (SGLang's fields), plus a name no other test uses.
+    router_fields = {"no_stop_trim": True, "return_text_in_logprobs": True, "protocol_test_unique_field": [1]}
+    with caplog.at_level("WARNING", logger="pagedllm.serving.openai.ignored_fields"):
+        for _ in range(2):
+            for route, body in (("/v1/completions", {"model": "plain", "prompt": "x"}),
+                                ("/v1/chat/completions", {"model": "plain", "messages": USER})):
+                response = http.post(route, json={**body, **router_fields})
+                # Past validation: the completion is refused only because no Triton listens, the chat only
+                # because this tokenizer has no chat template.
+                assert response.status_code == (503 if route == "/v1/completions" else 400), response.text
+                assert response.json()["error"].get("param") != "protocol_test_unique_field"
+    logged = [r.getMessage() for r in caplog.records if "protocol_test_unique_field" in r.getMessage()]
+    assert len(logged) == 1 and "ignoring" in logged[0]
+    for body, param in (({"n": "many"}, "n"), ({"stream_options": {"include_usage": True, "extra": 1}}, "stream_options"),
+                        ({"max_tokens": 0}, "max_tokens")):
+        response = http.post("/v1/completions", json={"model": "plain", "prompt": "x", **router_fields, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"].startswith(param), response.text
+
+
+def test_the_names_remembered_for_logging_are_bounded() -> None:
+    from pagedllm.serving.openai import ignored_fields
+
+    ignored_fields.note_ignored_fields("/v1/completions", (f"flood_{i}" for i in range(10 * ignored_fields.MAX_REMEMBERED_NAMES)))
+    assert len(ignored_fields._logged) <= ignored_fields.MAX_REMEMBERED_NAMES

@@ -43,6 +43,9 @@ def test_the_generated_repository_serves_the_folder_with_the_engine_args(
     (["--engine-arg", "max_model_len=many"], "max_model_len"),
     (["--engine-arg", "model=/elsewhere"], "pass the model with --model"),
     (["--model-repository", "."], "exclude each other"),
+    (["--kv-events-config", "{not json"], "--kv-events-config: not valid JSON"),
+    (["--kv-events-config", '{"enable_kv_cache_events": true, "hwm": 0}'], "kv_events_config.hwm=0 is invalid"),
+    (["--kv-events-config", "{}", "--engine-arg", "kv_events_config={}"], "pass one"),
     (["--health-port", "70000"], "--health-port must be a port number in [0, 65535], got 70000"),
     (["--openai-port", "-1"], "--openai-port must be a port number in [0, 65535], got -1"),
 ])
@@ -60,3 +63,10 @@ def test_model_flags_without_model_are_refused(capsys: pytest.CaptureFixture[str
     assert "go with --model" in capsys.readouterr().err
     assert serve_main(serve_args("--model", "/no/such/folder")) == 2
     assert "model='/no/such/folder' is not a Hugging Face checkpoint directory" in capsys.readouterr().err
+
+
+def test_kv_events_config_becomes_the_engine_argument(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    events = {"enable_kv_cache_events": True, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}
+    repository = generated_repository(serve_args("--model", str(tiny_model_dir("llama")), "--kv-events-config",
+                                                 json.dumps(events)), tmp_path)
+    assert json.loads((repository / "llm" / "1" / "model.json").read_text())["kv_events_config"] == events

@@ -62,9 +62,9 @@ def generated_after_hanging_up(server: TritonServer, body: dict[str, object], pa
                      > before.get("vllm:generation_tokens_total", 0), timeout_s=120)
     sock.close()
     # A request nobody cancels runs all its tokens: allow for a slow, shared machine.
-    values = wait_for_metrics(server, lambda m: m.get("pagedllm:num_requests_running") == 0
+    values = wait_for_metrics(server, lambda m: m.get("vllm:num_requests_running") == 0
                               and m.get("pagedllm:kv_blocks_used") == 0, timeout_s=300)
-    assert values["pagedllm:num_requests_running"] == 0 and values["pagedllm:kv_blocks_used"] == 0
+    assert values["vllm:num_requests_running"] == 0 and values["pagedllm:kv_blocks_used"] == 0
     return values["vllm:generation_tokens_total"] - before.get("vllm:generation_tokens_total", 0.0)
 
 

@@ -1,6 +1,7 @@
 """Engine snapshots and finished requests -> Triton metric families, through a fake family factory."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -30,6 +31,11 @@ class Stats:
     num_waiting: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_loras: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 class FakeMetric:
@@ -87,13 +93,19 @@ def test_declares_vllm_backend_families_and_our_own(families) -> None:
     vllm = {name for name in created if name.startswith("vllm:")}
     assert vllm == {"vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds",
                     "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
-                    "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_params_n"}
+                    "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_params_n",
+                    # the model server protocol's (Gateway API Inference Extension)
+                    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                    "vllm:cache_config_info", "vllm:lora_requests_info"}
     assert set(created) - vllm == {f"pagedllm:{name}" for name in (
-        "num_preemptions_total", "engine_restarts_total", "num_requests_running", "num_requests_waiting",
-        "kv_blocks_used", "kv_blocks_free", "kv_cache_usage_perc", "prefix_cache_hit_rate")}
+        "num_preemptions_total", "engine_restarts_total", "kv_blocks_used", "kv_blocks_free", "prefix_cache_hit_rate")}
     assert created["vllm:time_to_first_token_seconds"].kind == "histogram"
     assert created["vllm:prompt_tokens_total"].kind == "counter"
-    assert created["pagedllm:kv_cache_usage_perc"].kind == "gauge"
+    assert all(created[name].kind == "gauge" for name in (
+        "vllm:kv_cache_usage_perc", "vllm:num_requests_waiting", "vllm:cache_config_info", "vllm:lora_requests_info"))
+    # The info gauges get their series (and labels) from the engine's first snapshot.
+    assert created["vllm:cache_config_info"].metrics == [] and created["vllm:lora_requests_info"].metrics == []
+    del created["vllm:cache_config_info"], created["vllm:lora_requests_info"]
     assert created["vllm:request_params_n"].description == "Histogram of the n request parameter."
     assert value(created, "vllm:e2e_request_latency_seconds").buckets == list(E2E_BUCKETS)
     assert value(created, "vllm:request_params_n").buckets == [1, 2, 5, 10, 20]
@@ -121,9 +133,24 @@ def test_counters_follow_cumulative_stats_and_gauges_the_latest_snapshot(familie
     assert value(created, "pagedllm:num_preemptions_total").reading == 1
     assert value(created, "pagedllm:kv_blocks_used").reading == 0
     assert value(created, "pagedllm:kv_blocks_free").reading == 100
-    assert value(created, "pagedllm:kv_cache_usage_perc").reading == 0
-    assert value(created, "pagedllm:num_requests_running").reading == 0
+    assert value(created, "vllm:kv_cache_usage_perc").reading == 0
+    assert value(created, "vllm:num_requests_running").reading == 0
     assert value(created, "pagedllm:prefix_cache_hit_rate").reading == 0.5
+    config = value(created, "vllm:cache_config_info")
+    assert config.reading == 1 and config.labels == {"model": "llm", "version": "1", "block_size": "16",
+                                                     "num_gpu_blocks": "100", "enable_prefix_caching": "True"}
+    assert created["vllm:lora_requests_info"].metrics == []  # an engine without LoRA has none
+
+
+def test_lora_requests_info_follows_the_adapters_with_the_time_of_the_update(families) -> None:
+    metrics, created = families
+    before = time.time()
+    metrics.record(Stats(max_loras=2, running_lora_adapters=("a", "b"), waiting_lora_adapters=("c",)), StepTimings())
+    metrics.close()
+    (series,) = created["vllm:lora_requests_info"].metrics
+    assert series.labels == {"model": "llm", "version": "1", "max_lora": "2", "running_lora_adapters": "a,b",
+                             "waiting_lora_adapters": "c"}
+    assert before <= series.reading <= time.time()
 
 
 def test_token_latencies_are_observed_as_they_happen_and_finished_requests_once(families) -> None:
@@ -163,9 +190,9 @@ def test_engine_restarts_count_only_what_is_missing(families) -> None:
 
 def test_gauge_values_of_a_busy_cache() -> None:
     gauges = gauge_values(Stats(num_blocks_total=8, num_blocks_free=2, num_running=3, num_waiting=4))
-    assert gauges == {"pagedllm:num_requests_running": 3, "pagedllm:num_requests_waiting": 4,
+    assert gauges == {"vllm:num_requests_running": 3, "vllm:num_requests_waiting": 4,
                       "pagedllm:kv_blocks_used": 6, "pagedllm:kv_blocks_free": 2,
-                      "pagedllm:kv_cache_usage_perc": 0.75, "pagedllm:prefix_cache_hit_rate": 0.0}
+                      "vllm:kv_cache_usage_perc": 0.75, "pagedllm:prefix_cache_hit_rate": 0.0}
 
 
 @pytest.mark.parametrize(("parameters", "enabled"), [

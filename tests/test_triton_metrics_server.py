@@ -49,9 +49,16 @@ VLLM_SERIES = {
     "vllm:request_generation_tokens": ("histogram", "Number of generation tokens processed.", TOKEN_BUCKETS),
     "vllm:request_params_n": ("histogram", "Histogram of the n request parameter.", [1, 2, 5, 10, 20]),
 }
-OWN_SERIES = {"pagedllm:num_preemptions_total", "pagedllm:engine_restarts_total", "pagedllm:num_requests_running",
-              "pagedllm:num_requests_waiting", "pagedllm:kv_blocks_used", "pagedllm:kv_blocks_free",
-              "pagedllm:kv_cache_usage_perc", "pagedllm:prefix_cache_hit_rate"}
+# The model server protocol's series (Gateway API Inference Extension), under vLLM's names, kinds and help texts;
+# vllm:lora_requests_info exists only on an engine with LoRA.
+PROTOCOL_SERIES = {
+    "vllm:num_requests_running": ("gauge", "Number of requests in model execution batches."),
+    "vllm:num_requests_waiting": ("gauge", "Number of requests waiting to be processed."),
+    "vllm:kv_cache_usage_perc": ("gauge", "KV-cache usage. 1 means 100 percent usage."),
+    "vllm:cache_config_info": ("gauge", "Information of the LLMEngine CacheConfig"),
+}
+OWN_SERIES = {"pagedllm:num_preemptions_total", "pagedllm:engine_restarts_total", "pagedllm:kv_blocks_used",
+              "pagedllm:kv_blocks_free", "pagedllm:prefix_cache_hit_rate", *PROTOCOL_SERIES}
 PER_REQUEST = ("vllm:e2e_request_latency_seconds", "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
                "vllm:request_params_n", "vllm:time_to_first_token_seconds")
 
@@ -122,7 +129,7 @@ def settled(server: TritonServer, done: Callable[[Scrape], bool], timeout_s: flo
     deadline = time.monotonic() + timeout_s
     while True:
         current = scrape(server)
-        if done(current) and current.value("pagedllm:num_requests_running") == 0:
+        if done(current) and current.value("vllm:num_requests_running") == 0:
             return current
         assert time.monotonic() < deadline, "metrics did not settle"
         time.sleep(0.2)
@@ -199,7 +206,22 @@ def test_every_vllm_backend_series_has_its_name_kind_help_labels_and_buckets(ser
             assert bounds == [float(b) for b in buckets] + [float("inf")], name
             assert current.value(f"{name}_bucket", le="+Inf") == current.value(f"{name}_count")
     families = {name for name in current.kinds if name.startswith(("vllm:", "pagedllm:"))}
+    families.discard("vllm:lora_requests_info")  # declared, with no series on this engine without LoRA
     assert families == set(VLLM_SERIES) | OWN_SERIES, "a quantity is reported under two names, or one is missing"
+
+
+def test_the_model_server_protocol_series_agree_with_the_engine(server: TritonServer) -> None:
+    stream_once(server.grpc_url, "return", greedy(2), stream=True)
+    current = settled(server, lambda s: s.value("vllm:e2e_request_latency_seconds_count") > 0)
+    for name, (kind, help_text) in PROTOCOL_SERIES.items():
+        assert (current.kinds.get(name), current.helps.get(name)) == (kind, help_text), name
+    (config,) = [dict(labels) for sample, labels in current.of_model(MODEL) if sample == "vllm:cache_config_info"]
+    assert config == {**LABELS, "block_size": "16", "num_gpu_blocks": "64", "enable_prefix_caching": "True"}
+    assert current.value("vllm:cache_config_info", **{k: v for k, v in config.items() if k not in LABELS}) == 1
+    assert current.value("vllm:num_requests_waiting") == 0
+    used = current.value("pagedllm:kv_blocks_used")
+    assert current.value("vllm:kv_cache_usage_perc") == used / 64
+    assert not [sample for sample, _ in current.of_model(MODEL) if sample == "vllm:lora_requests_info"]
 
 
 def test_report_custom_metrics_false_silences_the_model_and_it_still_serves(server: TritonServer) -> None:
@@ -230,5 +252,5 @@ def test_the_grafana_dashboard_names_only_exported_series(server: TritonServer) 
     assert named - exported - spec_decode == set(), "the dashboard queries series the server does not export"
     families = {re.sub(r"_(bucket|sum|count)$", "", name) if name.startswith("vllm:") else name for name in named}
     assert set(VLLM_SERIES) <= families, "every vllm_backend series has a panel"
-    assert {"pagedllm:kv_cache_usage_perc", "pagedllm:kv_blocks_used", "pagedllm:kv_blocks_free"} <= families
+    assert {"vllm:kv_cache_usage_perc", "pagedllm:kv_blocks_used", "pagedllm:kv_blocks_free"} <= families
     assert all('model=~"$model"' in query for query in queries if "label_values" not in query)

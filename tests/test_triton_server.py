@@ -179,8 +179,8 @@ def settled_metrics(server: TritonServer, timeout_s: float = 60) -> dict[str, fl
     just as an earlier test's streams end can still miss their last tokens.
     """
     deadline = time.monotonic() + timeout_s
-    previous = wait_for_metrics(server, lambda m: m.get("pagedllm:num_requests_running") == 0
-                                and m.get("pagedllm:num_requests_waiting") == 0, timeout_s)
+    previous = wait_for_metrics(server, lambda m: m.get("vllm:num_requests_running") == 0
+                                and m.get("vllm:num_requests_waiting") == 0, timeout_s)
     while True:
         time.sleep(0.3)
         current = metrics(server)
@@ -285,7 +285,7 @@ def test_cancelled_streams_free_their_blocks(server: TritonServer) -> None:
     assert sum(bool(r.texts) for r in results) >= 8, "half the streams should have produced a token before the cancel"
     client.close(cancel=True)
     after = wait_for_metrics(server, lambda m: m.get("pagedllm:kv_blocks_used") == 0
-                             and m.get("pagedllm:num_requests_running") == 0)
+                             and m.get("vllm:num_requests_running") == 0)
     assert after["pagedllm:kv_blocks_used"] == 0
     assert after["pagedllm:kv_blocks_free"] == NUM_KV_BLOCKS
     generated = after["vllm:generation_tokens_total"] - before.get("vllm:generation_tokens_total", 0)
@@ -331,7 +331,7 @@ def test_bad_input_gets_an_error_naming_the_field_and_serving_continues(
 
 def test_metrics_are_sensible_after_the_run(server: TritonServer) -> None:
     stream_once(server.grpc_url, "return self", greedy(8), stream=True)
-    values = wait_for_metrics(server, lambda m: m.get("pagedllm:num_requests_running") == 0
+    values = wait_for_metrics(server, lambda m: m.get("vllm:num_requests_running") == 0
                               and m.get("vllm:e2e_request_latency_seconds_count", 0) > 0)
     assert values["vllm:prompt_tokens_total"] > 0
     assert values["vllm:generation_tokens_total"] >= 8
@@ -339,8 +339,8 @@ def test_metrics_are_sensible_after_the_run(server: TritonServer) -> None:
     assert values["vllm:time_to_first_token_seconds_sum"] > 0
     assert values["vllm:time_per_output_token_seconds_count"] > 0
     assert values["vllm:e2e_request_latency_seconds_sum"] >= values["vllm:time_to_first_token_seconds_sum"]
-    assert values["pagedllm:kv_blocks_used"] == 0 and values["pagedllm:kv_cache_usage_perc"] == 0
+    assert values["pagedllm:kv_blocks_used"] == 0 and values["vllm:kv_cache_usage_perc"] == 0
     assert values["pagedllm:kv_blocks_free"] == NUM_KV_BLOCKS
-    assert values["pagedllm:num_requests_waiting"] == 0
+    assert values["vllm:num_requests_waiting"] == 0
     assert 0 <= values["pagedllm:prefix_cache_hit_rate"] <= 1
     assert "pagedllm:num_preemptions_total" in values

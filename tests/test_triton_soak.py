@@ -141,8 +141,8 @@ def test_soak_mixed_traffic_with_preemption(server: TritonServer, model_dir: Pat
     assert min(counts.values()) >= 20, counts
 
     after = wait_for_metrics(server, lambda m: m.get("pagedllm:kv_blocks_used") == 0
-                             and m.get("pagedllm:num_requests_running") == 0)
-    assert after["pagedllm:kv_blocks_used"] == 0 and after["pagedllm:num_requests_waiting"] == 0
+                             and m.get("vllm:num_requests_running") == 0)
+    assert after["pagedllm:kv_blocks_used"] == 0 and after["vllm:num_requests_waiting"] == 0
     assert after["pagedllm:num_preemptions_total"] > 0, "the KV pool was meant to force preemption"
 
     check = Plan("good", "def main(self):", {"temperature": 0, "max_tokens": 8})

@@ -8,6 +8,7 @@ from typing import Any
 
 from pagedllm.platform.cpu_binding import check_setting
 
+from pagedllm.core.kv_events_config import KVEventsConfig
 from pagedllm.core.speculative_config import SpeculativeConfig
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -67,6 +68,8 @@ class EngineConfig:
     # Speculative decoding (pagedllm.core.speculative_config), as vLLM's speculative_config; a JSON object (dict)
     # is parsed into a SpeculativeConfig here. None: off.
     speculative_config: SpeculativeConfig | dict | None = None
+    # KV cache events for routers, vLLM's KVEventsConfig keys (pagedllm.core.kv_events_config); None: no events.
+    kv_events_config: dict | None = None
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
@@ -112,6 +115,13 @@ class EngineConfig:
                  "false with cuda_graphs: the decode graphs do not replay the LoRA segments")
         _require(self.speculative_config is None or self.scheduling == "continuous", "speculative_config",
                  self.speculative_config, "null with scheduling=static (the static baseline decodes one token a step)")
+        if self.kv_events_config is not None:
+            KVEventsConfig.from_dict(self.kv_events_config)  # raises ValueError naming the bad key
+
+    @property
+    def kv_events(self) -> KVEventsConfig:
+        """``kv_events_config`` parsed (disabled when not given)."""
+        return KVEventsConfig() if self.kv_events_config is None else KVEventsConfig.from_dict(self.kv_events_config)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> EngineConfig:

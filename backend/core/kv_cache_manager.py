@@ -12,6 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from pagedllm.core.block_hash import BlockKey, block_key
+from pagedllm.core.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from pagedllm.core.request import Sample
 
 
@@ -39,7 +40,11 @@ NO_MATCH = PrefixMatch((), ())
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    """``enable_kv_cache_events``: record vLLM's KV cache events (``pagedllm.core.kv_events``) as the cache
+    changes, for the engine to take after each step (``take_events``)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 enable_kv_cache_events: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} is invalid: the KV cache needs at least one block")
         self.block_size = block_size
@@ -52,6 +57,7 @@ class KVCacheManager:
         self.peak_blocks_used = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self._events: list[KVCacheEvent] | None = [] if enable_kv_cache_events and enable_prefix_caching else None
 
     @property
     def num_blocks(self) -> int:
@@ -157,23 +163,28 @@ class KVCacheManager:
         num_full = seq.num_computed_tokens // self.block_size
         if not self.enable_prefix_caching or num_full <= len(seq.block_hashes):  # most steps fill no block
             return
+        run: list[Block] = []  # newly cached consecutive blocks, one BlockStored event each run
+        run_start = 0
         for index in range(len(seq.block_hashes), num_full):
             start = index * self.block_size
             tokens = tuple(seq.token_ids[start : start + self.block_size])
             key = block_key(seq.block_hashes[-1] if seq.block_hashes else None, tokens, seq.request.lora_int_id)
             seq.block_hashes.append(key)
             block = self.blocks[seq.block_ids[index]]
-            if block.block_hash is not None or key in self._cached:
-                continue
             # The parent is whichever block the cache holds for the previous key, as a
             # later match will walk through that one.
             parent = self._cached.get(seq.block_hashes[index - 1]) if index else None
-            if index and parent is None:
+            if block.block_hash is not None or key in self._cached or (index and parent is None):
+                self._stored(seq, run, run_start)
                 continue
             block.block_hash = key
             block.tokens = tokens
             block.parent = None if parent is None else (parent.block_id, parent.epoch)
             self._cached[key] = block
+            if self._events is not None:
+                run_start = index if not run else run_start
+                run.append(block)
+        self._stored(seq, run, run_start)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """(source, destination) block copies the runner must do before this step's writes."""
@@ -184,6 +195,67 @@ class KVCacheManager:
         for block in self._cached.values():
             _forget(block)
         self._cached.clear()
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
+
+    def cached_block_hashes(self) -> set[BlockKey]:
+        """The keys of every cached block: what a consumer of this cache's events should hold."""
+        return set(self._cached)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV cache events recorded since the last call (none when events are off)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def snapshot_events(self) -> list[KVCacheEvent]:
+        """Events that bring a consumer from any state to this cache's: a clear, then every cached block,
+        parents first (each with its token ids; the adapter is not kept per block, so none is named)."""
+        depth: dict[int, int] = {}
+        for block in self._cached.values():  # iteratively: a chain can be max_model_len / block_size long
+            chain: list[Block] = []
+            node: Block | None = block
+            while node is not None and node.block_id not in depth:
+                chain.append(node)
+                node = self._live_parent(node)
+            base = -1 if node is None else depth[node.block_id]
+            for offset, member in enumerate(reversed(chain), start=1):
+                depth[member.block_id] = base + offset
+
+        events: list[KVCacheEvent] = [AllBlocksCleared()]
+        for block in sorted(self._cached.values(), key=lambda block: depth[block.block_id]):
+            parent = self._live_parent(block)
+            events.append(BlockStored(block_hashes=[block.block_hash], token_ids=list(block.tokens),
+                                      parent_block_hash=None if parent is None else parent.block_hash,
+                                      block_size=self.block_size, lora_id=None, medium=MEDIUM_GPU, lora_name=None,
+                                      group_idx=0))
+        return events
+
+    def _live_parent(self, block: Block) -> Block | None:
+        if block.parent is None:
+            return None
+        parent = self.blocks[block.parent[0]]
+        return parent if parent.epoch == block.parent[1] and parent.block_hash is not None else None
+
+    def _stored(self, seq: Sample, run: list[Block], first: int) -> None:
+        """Record one BlockStored for ``run`` (blocks ``first``, ``first + 1``, ... of ``seq``, just cached) and
+        empty it."""
+        if not run:
+            return
+        lora_name = seq.request.lora_name
+        self._events.append(BlockStored(  # type: ignore[union-attr]
+            block_hashes=[block.block_hash for block in run],
+            parent_block_hash=seq.block_hashes[first - 1] if first else None,
+            token_ids=[token for block in run for token in block.tokens],
+            block_size=self.block_size,
+            lora_id=seq.request.lora_int_id or None,
+            medium=MEDIUM_GPU,
+            lora_name=lora_name,
+            extra_keys=None if lora_name is None else [(lora_name,)] * len(run),
+            group_idx=0,
+        ))
+        run.clear()
 
     def _reference(self, block: Block) -> None:
         if block.ref_count == 0:
@@ -194,6 +266,8 @@ class KVCacheManager:
         _, block = self._free.popitem(last=False)
         if block.block_hash is not None:
             del self._cached[block.block_hash]
+            if self._events is not None:
+                self._events.append(BlockRemoved(block_hashes=[block.block_hash], medium=MEDIUM_GPU, group_idx=0))
             _forget(block)
         block.ref_count = 1
         return block

@@ -93,6 +93,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # The LoRA adapter it runs through (its lora_int_id); 0 is the base model. Part of its KV blocks' keys.
     lora_int_id: int = 0
+    lora_name: str | None = None  # the adapter's name, as metrics and KV cache events report it
     sequences: list[Sample] = field(default_factory=list)  # beams: every beam ever forked, dead ones too
     # Beam search only: its state (set by the scheduler when the request is added), and the live
     # beams in the order of ``beam_search.scores``, best first; they run side by side.

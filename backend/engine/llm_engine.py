@@ -5,7 +5,7 @@ Single-threaded by design; ``EngineLoop`` runs it on a thread for servers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence as Seq
+from collections.abc import Iterable, Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,12 +15,14 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.beam_search import BeamCandidate, BeamSearch
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_events import AllBlocksCleared
 from pagedllm.core.request import Request, Sample, SampleStatus
 from pagedllm.core.scheduler import BeamBatch, Scheduler, SchedulerOutput
 from pagedllm.core.stop_policy import StopPolicy
 from pagedllm.engine.admission import AdmissionLimits, check_request, tokenize_prompt
 from pagedllm.executor.device_side import engine_device, set_up_device_side
 from pagedllm.platform.gc_tuning import collect_young_less_often
+from pagedllm.engine.kv_event_publisher import KVEventPublisher
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.engine.structured_outputs import StructuredOutputs
@@ -55,6 +57,12 @@ class EngineStats:
     generation_tokens_total: int
     block_size: int
     spec_decode: SpecDecodeCounts | None = None  # speculative decoding's counts; None when it is off
+    enable_prefix_caching: bool = True
+    # LoRA, as vLLM's lora_requests_info reports it: the adapter slots (0: no LoRA), and the adapters of the
+    # running and of the waiting requests.
+    max_loras: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @property
     def num_blocks_used(self) -> int:
@@ -88,7 +96,14 @@ class LLMEngine:
         self.workers = side.workers
         num_blocks = side.num_blocks
         self.eos_token_ids = _eos_token_ids(model_dir, self.tokenizer)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        kv_events = config.kv_events
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 enable_kv_cache_events=kv_events.publishes)
+        # Only this engine (rank 0 of a tensor-parallel group) holds the KV cache manager, so only it publishes.
+        self.kv_events: KVEventPublisher | None = KVEventPublisher(kv_events) if kv_events.publishes else None
+        self._kv_events_lost = False
+        if self.kv_events is not None:
+            self.kv_events.publish([AllBlocksCleared()])  # whatever an earlier incarnation held is gone
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens,
             StopPolicy(self.max_model_len, self.eos_token_ids), static_batching=config.scheduling == "static",
@@ -133,7 +148,8 @@ class LLMEngine:
                 raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
             self.prompt_logprobs.track(request_id, tuple(prompt_ids), params.prompt_logprobs)
         request = Request(request_id, text, tuple(prompt_ids), params,
-                          lora_int_id=0 if lora_request is None else lora_request.lora_int_id)
+                          lora_int_id=0 if lora_request is None else lora_request.lora_int_id,
+                          lora_name=None if lora_request is None else lora_request.lora_name)
         seq = request.spawn(list(prompt_ids))
         self._requests[request_id] = request
         if params.structured_outputs is not None:  # scheduled once its grammar has compiled, off the step path
@@ -175,14 +191,26 @@ class LLMEngine:
                 self._run(out, deltas, errors)
         for request_id in errors:
             deltas.setdefault(request_id, [])
+        if self.kv_events is not None:
+            self._publish_kv_events()
         return [self._request_output(request_id, items, errors.get(request_id), request_id in aborted)
                 for request_id, items in deltas.items()]
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any; the engine cannot step afterwards."""
+        """Stop the tensor-parallel workers, if any, and the KV event publisher; the engine cannot step afterwards."""
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.workers is not None:
             workers, self.workers = self.workers, None
             workers.close()
+
+    def _publish_kv_events(self) -> None:
+        """Hand this step's KV cache events to the publisher; after a batch was lost, the whole cache instead."""
+        events = self.kv.take_events()
+        if self._kv_events_lost:
+            events = self.kv.snapshot_events()
+        if events:
+            self._kv_events_lost = not self.kv_events.publish(events)  # type: ignore[union-attr]
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -199,6 +227,10 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens_total,
             block_size=self.kv.block_size,
             spec_decode=None if self.speculative is None else self.speculative.snapshot(),
+            enable_prefix_caching=self.kv.enable_prefix_caching,
+            max_loras=0 if self.lora is None else self.config.max_loras,
+            running_lora_adapters=() if self.lora is None else _adapters(self.scheduler.running),
+            waiting_lora_adapters=() if self.lora is None else _adapters(self.scheduler.waiting),
         )
 
     def _run(self, out: SchedulerOutput, deltas: dict[str, list[CompletionDelta]], errors: dict[str, str]) -> None:
@@ -554,3 +586,6 @@ def _eos_token_ids(model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> froze
 def _aborted(index: int, cumulative_logprob: float | None) -> CompletionDelta:
     return CompletionDelta(index=index, text="", token_ids=(), cumulative_logprob=cumulative_logprob, logprobs=None,
                            finish_reason="abort")
+def _adapters(seqs: Iterable[Sample]) -> tuple[str, ...]:
+    """The adapters ``seqs`` run through, each once, sorted."""
+    return tuple(sorted({seq.request.lora_name for seq in seqs if seq.request.lora_name is not None}))

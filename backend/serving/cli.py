@@ -79,6 +79,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help="with --model: speculative decoding as vllm serve takes it, e.g. "
                              '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
+    parser.add_argument("--kv-events-config", default=None, metavar="JSON",
+                        help="with --model: publish KV cache events for routers, vLLM's option and keys, e.g. "
+                             '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+                             '"replay_endpoint": "tcp://*:5558"}\' (engine argument kv_events_config)')
     parser.add_argument("--max-reloads", type=int, default=DEFAULT_MAX_RELOADS,
                         help="exit (code 1) after this many failed engine restarts in a row "
                              "(each restart: a model reload, or a tritonserver restart when a backend stub died)")
@@ -126,8 +130,9 @@ def _serve(args: argparse.Namespace, scratch: Path | None, supervision: Path) ->
                 raise ValueError(f"{flag} must be a port number in [0, 65535], got {port}")
         supervision.mkdir(parents=True, exist_ok=True)  # a caller-named folder may not exist yet
         if not args.model and (args.engine_arg or args.served_model_name or args.lora_modules
-                               or args.speculative_config):
-            raise ValueError("--engine-arg, --served-model-name, --lora-modules and --speculative-config go with --model")
+                               or args.speculative_config or args.kv_events_config is not None):
+            raise ValueError("--engine-arg, --served-model-name, --lora-modules, --speculative-config and "
+                             "--kv-events-config go with --model (in a model repository, they are keys of model.json)")
         if args.allow_runtime_lora_updating and args.openai_port is None:
             raise ValueError("--allow-runtime-lora-updating goes with --openai-port")
         repository = generated_repository(args, scratch) if scratch else args.model_repository or bundled_model_repository()
@@ -239,6 +244,10 @@ def generated_repository(args: argparse.Namespace, root: Path) -> Path:
             engine_args["speculative_config"] = json.loads(args.speculative_config)
         except json.JSONDecodeError as error:
             raise ValueError(f"--speculative-config is not valid JSON ({error})") from error
+    if args.kv_events_config is not None:
+        if "kv_events_config" in engine_args:
+            raise ValueError("--kv-events-config and --engine-arg kv_events_config=...: pass one")
+        engine_args["kv_events_config"] = parse_kv_events_config(args.kv_events_config)
     revision = engine_args.get("revision")
     model_dir = resolve_model_dir(args.model, revision if isinstance(revision, str) else None)
     adapters = parse_lora_modules(args.lora_modules)
@@ -251,6 +260,17 @@ def generated_repository(args: argparse.Namespace, root: Path) -> Path:
         write_multi_lora(repository / "llm" / "1" / MULTI_LORA_FILE, adapters)
         served_modules(repository / "llm" / "1", model_dir, config.max_lora_rank)
     return repository
+
+
+def parse_kv_events_config(text: str) -> dict[str, object]:
+    """``--kv-events-config``: a JSON object of vLLM's ``KVEventsConfig`` keys (checked with the engine arguments)."""
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--kv-events-config: not valid JSON ({error})") from error
+    if not isinstance(values, dict):
+        raise ValueError(f"--kv-events-config: expected a JSON object, got {type(values).__name__}")
+    return values
 
 
 def parse_engine_args(items: list[str]) -> dict[str, object]:
@@ -292,8 +312,10 @@ def _start_openai(args: argparse.Namespace, server: TritonServer, models: list[S
         if not bases:
             raise RuntimeError("--allow-runtime-lora-updating: no served model has enable_lora in its model.json")
         runtime_lora = bases[0]
+    metrics_url = f"{grpc_url.rsplit(':', 1)[0]}:{server.metrics_port}"
     return OpenAIServer(grpc_url, models, host=args.host, port=args.openai_port,
-                        tool_call_parser=args.tool_call_parser, runtime_lora=runtime_lora).start()
+                        tool_call_parser=args.tool_call_parser, runtime_lora=runtime_lora,
+                        metrics_url=metrics_url).start()
 
 
 def add_install_backend_arguments(parser: argparse.ArgumentParser) -> None:

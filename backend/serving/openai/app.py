@@ -23,9 +23,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pagedllm.engine import latency_trace
 
 from pagedllm.serving.openai.errors import OpenAIError, bad_request, validation_error
+from pagedllm.serving.openai.ignored_fields import note_ignored_fields
 from pagedllm.serving.openai.lora_adapters import LoRABase, RuntimeAdapters, add_runtime_lora_routes
 from pagedllm.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.serving.openai.responses import ResponseBuilder
+from pagedllm.serving.openai.router_routes import add_router_routes
 from pagedllm.serving.openai.served_models import ServedModel
 from pagedllm.serving.openai.tool_choice import tool_calling
 from pagedllm.serving.openai.tool_parsers import tool_call_parser
@@ -35,11 +37,12 @@ T = TypeVar("T")
 
 
 def build_app(grpc_url: str, models: Sequence[ServedModel], tool_call_parser_name: str | None = None,
-              runtime_lora: LoRABase | None = None) -> FastAPI:
+              runtime_lora: LoRABase | None = None, metrics_url: str | None = None) -> FastAPI:
     """The FastAPI app serving ``models`` through the tritonserver at ``grpc_url``; ``tool_call_parser_name``
     reads tool calls out of replies to ``tool_choice: "auto"`` (``pagedllm.serving.openai.tool_parsers``);
     ``runtime_lora``: the base whose adapters ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` change
-    (``None``: those routes do not exist)."""
+    (``None``: those routes do not exist); ``metrics_url``: Triton's metrics endpoint (``host:port``), which the
+    routers' probes (``pagedllm.serving.openai.router_routes``) read the engine's load from."""
     by_name = {model.name: model for model in models}
     parser = None if tool_call_parser_name is None else tool_call_parser(tool_call_parser_name)
     bridge: TritonBridge | None = None
@@ -77,11 +80,13 @@ def build_app(grpc_url: str, models: Sequence[ServedModel], tool_call_parser_nam
             {"id": m.name, "object": "model", "created": 0, "owned_by": "pagedllm", "root": m.triton_model}
             for m in list(by_name.values())]}
 
+    add_router_routes(app, by_name, lambda: metrics_url)
     if runtime_lora is not None:
         add_runtime_lora_routes(app, RuntimeAdapters(runtime_lora, by_name))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        note_ignored_fields("/v1/completions", body.ignored_fields)
         model = _model(by_name, body.model)
         try:
             prompt, sampling = body.prompt_text(), body.sampling_parameters()
@@ -95,6 +100,7 @@ def build_app(grpc_url: str, models: Sequence[ServedModel], tool_call_parser_nam
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        note_ignored_fields("/v1/chat/completions", body.ignored_fields)
         model = _model(by_name, body.model)
         try:
             tools = body.tool_definitions()

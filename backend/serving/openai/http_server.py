@@ -23,10 +23,10 @@ class OpenAIServer:
 
     def __init__(self, grpc_url: str, models: Sequence[ServedModel], *, host: str = "127.0.0.1", port: int = 9000,
                  startup_timeout_s: float = 60.0, tool_call_parser: str | None = None,
-                 runtime_lora: LoRABase | None = None) -> None:
+                 runtime_lora: LoRABase | None = None, metrics_url: str | None = None) -> None:
         self.host = host
         self.port = port
-        config = uvicorn.Config(build_app(grpc_url, models, tool_call_parser, runtime_lora), host=host, port=port,
+        config = uvicorn.Config(build_app(grpc_url, models, tool_call_parser, runtime_lora, metrics_url), host=host, port=port,
                                 log_level="warning", access_log=False, timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="openai-http", daemon=True)

@@ -1,7 +1,9 @@
 """OpenAI request bodies, as pydantic models, and their translation to the backend's sampling parameters.
 
-Only the fields listed here are accepted; anything else is a 400 naming it, so a
-client never believes a setting took effect when it was ignored. Beyond OpenAI's
+The fields listed here are validated strictly: a bad value is a 400 naming the field.
+A top-level field this door does not know is accepted and ignored (logged once per
+name, ``pagedllm.serving.openai.ignored_fields``), as vLLM's server does, because routers
+add their own fields to every request; nested objects still refuse unknown keys. Beyond OpenAI's
 fields, vLLM's usual extras (``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, ``stop_token_ids``) pass through, since the engine
 has them. Ranges are checked by the engine (``SamplingParams``), whose message comes
@@ -45,7 +47,7 @@ class ResponseFormat(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # routers' own fields: see ignored_fields
 
     model: str
     n: int = Field(default=1, ge=1, le=128)
@@ -72,6 +74,11 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """The body's top-level fields this door does not know."""
+        return list(self.model_extra or ())
 
     @property
     def constraint_field(self) -> str | None:

@@ -16,6 +16,15 @@ and alerts work unchanged:
   first token, ``vllm:time_per_output_token_seconds`` at each later token-producing step,
   its gap since the request's previous one (vLLM's inter-token latencies).
 
+What routers and endpoint pickers read, under vLLM's own names, as the Gateway API Inference
+Extension's model server protocol lists them: gauges ``vllm:num_requests_waiting``,
+``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc`` (a fraction in [0, 1], as vLLM's),
+``vllm:cache_config_info`` (value 1; labels ``block_size``, ``num_gpu_blocks`` (the KV cache's
+blocks, on whatever device), ``enable_prefix_caching``) and, on an engine with LoRA,
+``vllm:lora_requests_info`` (value: the time of the last update, so a reader takes the newest
+series; labels ``max_lora``, ``running_lora_adapters``, ``waiting_lora_adapters``, the adapter
+names comma separated, as vLLM's).
+
 With ``speculative_config``, vLLM's speculative-decoding counters (its v1 names): ``vllm:spec_decode_num_drafts``
 (verifications of a sample holding drafted tokens), ``vllm:spec_decode_num_draft_tokens``,
 ``vllm:spec_decode_num_accepted_tokens`` and ``vllm:spec_decode_num_accepted_tokens_per_pos`` (label
@@ -24,13 +33,12 @@ With ``speculative_config``, vLLM's speculative-decoding counters (its v1 names)
 acceptance length (tokens per verifying step, the bonus token included)
 ``1 + rate(vllm:spec_decode_num_accepted_tokens[5m]) / rate(vllm:spec_decode_num_drafts[5m])``.
 
-Our own series, which vllm_backend does not have: counters ``pagedllm:num_preemptions_total``
-and ``pagedllm:engine_restarts_total`` (restarts of this model by ``pagedllm serve``'s
-supervisor, which keeps the count across the restarts; see ``serving.supervision``);
-gauges ``pagedllm:num_requests_running``, ``pagedllm:num_requests_waiting``,
-``pagedllm:kv_blocks_used``, ``pagedllm:kv_blocks_free``, ``pagedllm:kv_cache_usage_perc``
-(fraction in [0, 1], as vLLM's ``kv_cache_usage_perc``), ``pagedllm:prefix_cache_hit_rate``
-(hit / queried prompt tokens since start). No quantity is reported under two names.
+Our own series, which vLLM does not have under these meanings: counters
+``pagedllm:num_preemptions_total`` and ``pagedllm:engine_restarts_total`` (restarts of this model
+by ``pagedllm serve``'s supervisor, which keeps the count across the restarts; see
+``serving.supervision``); gauges ``pagedllm:kv_blocks_used``, ``pagedllm:kv_blocks_free``,
+``pagedllm:prefix_cache_hit_rate`` (hit / queried prompt tokens since start). No quantity is
+reported under two names.
 
 ``REPORT_CUSTOM_METRICS`` in config.pbtxt turns all of them off with ``"false"``, as in
 vllm_backend (which defaults to off; we default to on).
@@ -46,6 +54,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +67,8 @@ VLLM_PREFIX = "vllm:"
 PREFIX = "pagedllm:"
 SWITCH_PARAMETER = "REPORT_CUSTOM_METRICS"
 FamilyFactory = Callable[[str, str, str], Any]
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
 
 # vllm_backend's boundaries (src/utils/metrics.py), which its dashboards' `le` labels name.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
@@ -84,6 +95,7 @@ class MetricSpec:
     description: str
     kind: str
     buckets: tuple[float, ...] | None = None
+    info: bool = False  # an info gauge: its labels come from the engine, set when it publishes
 
 
 def metric_specs(max_model_len: int) -> tuple[MetricSpec, ...]:
@@ -105,12 +117,14 @@ def metric_specs(max_model_len: int) -> tuple[MetricSpec, ...]:
                    "counter"),
         MetricSpec("pagedllm:engine_restarts_total", "Times pagedllm serve restarted this model after its engine died.",
                    "counter"),
-        MetricSpec("pagedllm:num_requests_running", "Number of requests currently running.", "gauge"),
-        MetricSpec("pagedllm:num_requests_waiting", "Number of requests waiting to be processed.", "gauge"),
+        MetricSpec("vllm:num_requests_running", "Number of requests in model execution batches.", "gauge"),
+        MetricSpec("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "gauge"),
+        MetricSpec("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "gauge"),
+        MetricSpec(CACHE_CONFIG_INFO, "Information of the LLMEngine CacheConfig", "gauge", info=True),
+        MetricSpec(LORA_REQUESTS_INFO, "Running stats on lora requests.", "gauge", info=True),
         MetricSpec("pagedllm:kv_blocks_used", "KV-cache blocks referenced by requests.", "gauge"),
         MetricSpec("pagedllm:kv_blocks_free",
                    "KV-cache blocks free (including cached prefix blocks that can be revived).", "gauge"),
-        MetricSpec("pagedllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "gauge"),
         MetricSpec("pagedllm:prefix_cache_hit_rate", "Prefix-cache hit tokens / queried prompt tokens since start.",
                    "gauge"),
     )
@@ -159,13 +173,24 @@ def gauge_values(stats: Any) -> dict[str, float]:
     used = total - stats.num_blocks_free
     queried = stats.prefix_cache_queried_tokens
     return {
-        "pagedllm:num_requests_running": float(stats.num_running),
-        "pagedllm:num_requests_waiting": float(stats.num_waiting),
+        "vllm:num_requests_running": float(stats.num_running),
+        "vllm:num_requests_waiting": float(stats.num_waiting),
+        "vllm:kv_cache_usage_perc": used / total if total else 0.0,
         "pagedllm:kv_blocks_used": float(used),
         "pagedllm:kv_blocks_free": float(stats.num_blocks_free),
-        "pagedllm:kv_cache_usage_perc": used / total if total else 0.0,
         "pagedllm:prefix_cache_hit_rate": stats.prefix_cache_hit_tokens / queried if queried else 0.0,
     }
+
+
+def info_labels(stats: Any) -> dict[str, dict[str, str]]:
+    """The labels of each info gauge for one ``EngineStats`` snapshot (none for LoRA without LoRA)."""
+    labels = {CACHE_CONFIG_INFO: {"block_size": str(stats.block_size), "num_gpu_blocks": str(stats.num_blocks_total),
+                                  "enable_prefix_caching": str(stats.enable_prefix_caching)}}
+    if stats.max_loras:
+        labels[LORA_REQUESTS_INFO] = {"max_lora": str(stats.max_loras),
+                                      "running_lora_adapters": ",".join(stats.running_lora_adapters),
+                                      "waiting_lora_adapters": ",".join(stats.waiting_lora_adapters)}
+    return labels
 
 
 def step_observations(timings: StepTimings) -> list[tuple[str, float]]:
@@ -192,10 +217,11 @@ class TritonMetrics:
         specs = metric_specs(max_model_len) + (SPEC_DECODE_SPECS if speculative_positions else ())
         # Families must stay referenced: Triton drops a family's metrics when it is garbage collected.
         self._families = {s.name: make_family(s.name, s.description, s.kind) for s in specs}
+        self._labels = dict(labels)
         self._metrics = {
             s.name: (self._families[s.name].Metric(labels=dict(labels), buckets=list(s.buckets))
                      if s.buckets else self._families[s.name].Metric(labels=dict(labels)))
-            for s in specs
+            for s in specs if not s.info
         }
         self._per_position: list[Any] = []
         if speculative_positions:
@@ -205,6 +231,8 @@ class TritonMetrics:
                                   for position in range(speculative_positions)]
         self._published_spec = dict.fromkeys(_SPEC_DECODE_SOURCES, 0)
         self._published_per_position = [0] * speculative_positions
+        # Info gauges: one series each, replaced when its labels change (Triton drops a collected Metric).
+        self._info: dict[str, tuple[dict[str, str], Any]] = {}
         self._interval_s = interval_s
         self._published_counters = dict.fromkeys(_COUNTER_SOURCES, 0)
         self._latest: Any = None
@@ -278,6 +306,7 @@ class TritonMetrics:
             spec = getattr(stats, "spec_decode", None)
             if spec is not None and self._per_position:
                 self._publish_spec_decode(spec)
+            self._publish_info(stats)
         for timings in steps:
             for name, value in step_observations(timings):
                 self._metrics[name].observe(value)
@@ -292,3 +321,12 @@ class TritonMetrics:
             if value > self._published_per_position[position]:
                 metric.increment(value - self._published_per_position[position])
                 self._published_per_position[position] = value
+    def _publish_info(self, stats: Any) -> None:
+        for name, labels in info_labels(stats).items():
+            current = self._info.get(name)
+            if current is None or current[0] != labels:
+                metric = self._families[name].Metric(labels={**self._labels, **labels})
+                self._info[name] = (labels, metric)
+            else:
+                metric = current[1]
+            metric.set(time.time() if name == LORA_REQUESTS_INFO else 1.0)

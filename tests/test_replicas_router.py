@@ -1,0 +1,240 @@
+"""Replicas behind vllm-router, started the way docs/replicas.md tells users to.
+
+Two tiny ``pagedllm serve`` replicas, each publishing KV cache events on its own endpoints.
+``kv_aware`` must send requests that share a prefix to the replica that holds it (told apart
+by each replica's own metrics: which one's request count moved, and its prefix-cache hit
+rate); ``round_robin``, ``cache_aware`` and ``power_of_two`` must complete every request.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import pytest
+import requests
+
+from installed import strict
+from kv_event_subscriber import replay
+from serve_process import follow, kill, wait_ready
+from pagedllm.core.kv_events import KVEventBatch
+from pagedllm.platform.processes import free_port
+
+pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
+
+ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
+if ROUTER is None:
+    if strict():  # .ci/run installed the test extras, vllm-router among them
+        raise RuntimeError("vllm-router is not installed beside this interpreter (pip install vllm-router==0.1.17)")
+    pytest.skip("vllm-router is not installed (pip install vllm-router==0.1.17)", allow_module_level=True)
+
+BLOCK_SIZE = 16
+STORY = ("Once upon a time in a land far away there lived a king who had three daughters, a great castle with many "
+         "towers, a moat full of water and a dragon that slept under the bridge every winter. ")
+
+
+@dataclass
+class Replica:
+    process: subprocess.Popen[str]
+    ports: tuple[int, ...]  # grpc, http, metrics, openai, events, replay: a restart reuses them
+    tmpdir: Path
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:  # what the router routes to: the OpenAI door
+        return f"http://127.0.0.1:{self.ports[3]}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports[2]}/metrics"
+
+    @property
+    def events(self) -> str:  # where a subscriber connects
+        return f"tcp://127.0.0.1:{self.ports[4]}"
+
+    @property
+    def replay(self) -> str:
+        return f"tcp://127.0.0.1:{self.ports[5]}"
+
+    def metric(self, name: str) -> float:
+        for line in requests.get(self.metrics_url, timeout=10).text.splitlines():
+            if line.startswith(name + "{") and 'model="llm"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+
+def start_replica(model: Path, tmpdir: Path, ports: tuple[int, ...] | None = None) -> Replica:
+    ports = ports or tuple(free_port() for _ in range(6))
+    grpc, http, metrics, port, events, replay = ports
+    kv_events = (f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{events}", '
+                 f'"replay_endpoint": "tcp://*:{replay}"}}')
+    command = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", str(model), "--served-model-name", "tiny",
+               "--engine-arg", "dtype=float32", "--engine-arg", "device=cpu", "--engine-arg", "num_kv_blocks=64",
+               "--engine-arg", "max_model_len=512", "--engine-arg", f"block_size={BLOCK_SIZE}",
+               "--engine-arg", "cpu_bind=off", "--kv-events-config", kv_events, "--host", "127.0.0.1",
+               "--grpc-port", str(grpc), "--http-port", str(http), "--metrics-port", str(metrics),
+               "--openai-port", str(port)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmpdir)}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    replica = Replica(process, ports, tmpdir)
+    follow(process, replica.output)
+    return replica
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]]:
+    model = tiny_model_dir("llama")
+    started = [start_replica(model, tmp_path_factory.mktemp(f"replica{i}")) for i in range(2)]
+    try:
+        for replica in started:
+            wait_ready(replica.process, replica.output)
+        yield started
+    finally:
+        for replica in started:
+            kill(replica.process)
+
+
+def router_command(port: int, policy: str, replicas: list[Replica]) -> list[str]:
+    """The documented recipe (docs/replicas.md): one --kv-event-source per replica for kv_aware."""
+    command = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+               "--worker-urls", *(r.url for r in replicas), "--log-level", "warning"]
+    if policy == "kv_aware":
+        for replica in replicas:
+            command += ["--kv-event-source", f"{replica.url}={replica.events}",
+                        "--kv-event-replay-source", f"{replica.url}={replica.replay}"]
+        command += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", "tiny"]
+    return command
+
+
+@pytest.fixture
+def router(replicas: list[Replica]) -> Iterator[Callable[[str], str]]:
+    running: list[subprocess.Popen[str]] = []
+
+    def start(policy: str) -> str:
+        port = free_port()
+        process = subprocess.Popen(router_command(port, policy, replicas), stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
+        running.append(process)
+        output: list[str] = []
+        follow(process, output)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, "".join(output[-40:])
+            try:
+                if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                    return url
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "".join(output[-40:])
+            time.sleep(0.3)
+
+    yield start
+    for process in running:
+        kill(process)
+
+
+def complete(url: str, prompt: str) -> str:
+    answer = requests.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 4},
+                           timeout=120)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["choices"][0]["text"]
+
+
+def served_by(replicas: list[Replica], before: list[float], timeout_s: float = 30.0) -> int:
+    """The replica whose finished-request count moved past ``before`` (its metrics publish just after the step)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counts = [r.metric("vllm:request_prompt_tokens_count") for r in replicas]
+        moved = [i for i, (now, then) in enumerate(zip(counts, before)) if now > then]
+        if moved:
+            assert len(moved) == 1, (counts, before)
+            return moved[0]
+        assert time.monotonic() < deadline, "no replica finished the request"
+        time.sleep(0.1)
+
+
+def test_kv_aware_sends_shared_prefixes_to_the_replica_that_holds_them(
+        replicas: list[Replica], router: Callable[[str], str]) -> None:
+    tenants = {0: "Tenant zero asks: " + STORY * 2, 1: "Tenant one wonders: " + STORY * 2}
+    # The router first: vllm-router replays a source's missed batches only after a gap in what it received,
+    # so it learns what a replica cached before it subscribed only as those blocks are stored again.
+    url = router("kv_aware")
+    time.sleep(1.0)  # its subscriptions in place
+    for holder, prefix in tenants.items():  # each replica gets one tenant's prefix, not through the router
+        complete(replicas[holder].url, prefix + "Warm up.")
+    time.sleep(0.5)  # the events on their way
+    # Without the events the router sends a request no replica holds to the least loaded one, the same one for
+    # both tenants here (one at a time): one of the two tenants would land on the wrong replica.
+    for turn in range(3):
+        for holder in (1, 0):
+            before = [r.metric("vllm:request_prompt_tokens_count") for r in replicas]
+            complete(url, tenants[holder] + f"Question {turn}?")
+            assert served_by(replicas, before) == holder, f"tenant {holder}, turn {turn}"
+    for replica in replicas:  # the replicas' own view: most prompt tokens came from the cache
+        assert replica.metric("pagedllm:prefix_cache_hit_rate") > 0.5
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "cache_aware", "power_of_two"])
+def test_the_same_replicas_serve_the_other_policies(replicas: list[Replica], router: Callable[[str], str],
+                                                    policy: str) -> None:
+    url = router(policy)
+    prompts = [f"Request {i} of {policy}: " + STORY for i in range(6)]
+    with ThreadPoolExecutor(3) as pool:
+        texts = list(pool.map(lambda prompt: complete(url, prompt), prompts))
+    assert all(isinstance(text, str) for text in texts) and len(texts) == len(prompts)
+
+
+@pytest.mark.full  # kills and restarts a replica (~1 min)
+def test_a_replica_killed_under_load_ends_its_streams_the_router_recovers_and_the_restart_clears(
+        replicas: list[Replica], router: Callable[[str], str], tiny_model_dir: Callable[[str], Path]) -> None:
+    """Runs last in this module: it kills replica 1 and leaves a restarted one in its place."""
+    url = router("round_robin")
+    first_chunks = threading.Semaphore(0)
+
+    def stream(index: int) -> str:
+        body = {"model": "tiny", "prompt": f"Stream {index}: " + STORY, "max_tokens": 400, "ignore_eos": True,
+                "stream": True}
+        seen_first = False
+        try:
+            with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=60) as answer:
+                lines = answer.iter_lines()
+                chunks = [next(lines, b"")]
+                seen_first = True
+                first_chunks.release()
+                chunks += list(lines)
+            return "done" if answer.status_code == 200 and b"data: [DONE]" in chunks else "error"
+        except (requests.RequestException, ValueError):
+            return "error"
+        finally:
+            if not seen_first:
+                first_chunks.release()
+
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(stream, i) for i in range(6)]
+        for _ in futures:  # every stream is under way
+            assert first_chunks.acquire(timeout=60)
+        victim = replicas[1]
+        kill(victim.process)  # SIGKILL: tritonserver and the engine die with it
+        outcomes = [future.result(timeout=120) for future in futures]  # every stream ends, one way or the other
+    assert set(outcomes) <= {"done", "error"} and "done" in outcomes
+    # The router stops sending traffic to the dead replica: every later request completes on the other one.
+    for i in range(4):
+        complete(url, f"After the fault {i}: " + STORY)
+    # The replica comes back on its ports; its first batch of events clears what the dead one held.
+    time.sleep(2)  # its tritonserver and stubs gone, their ports free
+    restarted = start_replica(tiny_model_dir("llama"), victim.tmpdir, victim.ports)
+    replicas[1] = restarted
+    wait_ready(restarted.process, restarted.output)
+    first = replay(restarted.replay, 0)[0]
+    assert first[1] == 0
+    decoded = msgspec.msgpack.Decoder(KVEventBatch).decode(first[2])
+    assert [type(event).__name__ for event in decoded.events] == ["AllBlocksCleared"]
