@@ -1,6 +1,8 @@
 """The routes routers probe on a replica (pagedllm.serving.openai.router_routes), without a Triton server."""
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -52,8 +54,8 @@ def metrics_endpoint() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def model(tiny_model_dir: Callable[[str], Path]) -> ServedModel:
     served = ServedModel.load("tiny", "llm", tiny_model_dir("llama"))
-    served.tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-    return served
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    return dataclasses.replace(served, tokenizer=dataclasses.replace(served.tokenizer, chat_template=template))
 
 
 @pytest.fixture(scope="module")
