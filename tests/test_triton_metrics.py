@@ -92,15 +92,17 @@ def test_declares_vllm_backend_families_and_our_own(families) -> None:
     _, created = families
     vllm = {name for name in created if name.startswith("vllm:")}
     assert vllm == {"vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds",
+                    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                     "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
                     "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_params_n",
                     # the model server protocol's (Gateway API Inference Extension)
                     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                     "vllm:cache_config_info", "vllm:lora_requests_info"}
     assert set(created) - vllm == {f"pagedllm:{name}" for name in (
-        "num_preemptions_total", "engine_restarts_total", "kv_blocks_used", "kv_blocks_free", "prefix_cache_hit_rate")}
+        "num_preemptions_total", "engine_restarts_total", "kv_blocks_used", "kv_blocks_free")}
     assert created["vllm:time_to_first_token_seconds"].kind == "histogram"
-    assert created["vllm:prompt_tokens_total"].kind == "counter"
+    assert all(created[name].kind == "counter" for name in (
+        "vllm:prompt_tokens_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"))
     assert all(created[name].kind == "gauge" for name in (
         "vllm:kv_cache_usage_perc", "vllm:num_requests_waiting", "vllm:cache_config_info", "vllm:lora_requests_info"))
     # The info gauges get their series (and labels) from the engine's first snapshot.
@@ -135,7 +137,8 @@ def test_counters_follow_cumulative_stats_and_gauges_the_latest_snapshot(familie
     assert value(created, "pagedllm:kv_blocks_free").reading == 100
     assert value(created, "vllm:kv_cache_usage_perc").reading == 0
     assert value(created, "vllm:num_requests_running").reading == 0
-    assert value(created, "pagedllm:prefix_cache_hit_rate").reading == 0.5
+    assert value(created, "vllm:prefix_cache_queries_total").reading == 20
+    assert value(created, "vllm:prefix_cache_hits_total").reading == 10
     config = value(created, "vllm:cache_config_info")
     assert config.reading == 1 and config.labels == {"model": "llm", "version": "1", "block_size": "16",
                                                      "num_gpu_blocks": "100", "enable_prefix_caching": "True"}
@@ -192,7 +195,7 @@ def test_gauge_values_of_a_busy_cache() -> None:
     gauges = gauge_values(Stats(num_blocks_total=8, num_blocks_free=2, num_running=3, num_waiting=4))
     assert gauges == {"vllm:num_requests_running": 3, "vllm:num_requests_waiting": 4,
                       "pagedllm:kv_blocks_used": 6, "pagedllm:kv_blocks_free": 2,
-                      "vllm:kv_cache_usage_perc": 0.75, "pagedllm:prefix_cache_hit_rate": 0.0}
+                      "vllm:kv_cache_usage_perc": 0.75}
 
 
 @pytest.mark.parametrize(("parameters", "enabled"), [

@@ -57,8 +57,13 @@ PROTOCOL_SERIES = {
     "vllm:kv_cache_usage_perc": ("gauge", "KV-cache usage. 1 means 100 percent usage."),
     "vllm:cache_config_info": ("gauge", "Information of the LLMEngine CacheConfig"),
 }
+# vLLM v1's prefix-cache counters (vllm/v1/metrics/loggers.py): in tokens, once per request at its admission.
+PREFIX_CACHE_SERIES = {
+    "vllm:prefix_cache_queries_total": ("counter", "Prefix cache queries, in terms of number of queried tokens."),
+    "vllm:prefix_cache_hits_total": ("counter", "Prefix cache hits, in terms of number of cached tokens."),
+}
 OWN_SERIES = {"pagedllm:num_preemptions_total", "pagedllm:engine_restarts_total", "pagedllm:kv_blocks_used",
-              "pagedllm:kv_blocks_free", "pagedllm:prefix_cache_hit_rate", *PROTOCOL_SERIES}
+              "pagedllm:kv_blocks_free", *PROTOCOL_SERIES, *PREFIX_CACHE_SERIES}
 PER_REQUEST = ("vllm:e2e_request_latency_seconds", "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
                "vllm:request_params_n", "vllm:time_to_first_token_seconds")
 
@@ -175,6 +180,8 @@ def test_known_requests_add_up_under_vllm_backend_names(server: TritonServer, to
         assert delta(f"{name}_count") == 5, name
     prompt_tokens = sum(len(tokenizer(prompt)["input_ids"]) for prompt in prompts)
     assert delta("vllm:prompt_tokens_total") == prompt_tokens == delta("vllm:request_prompt_tokens_sum")
+    # Each request one prefix-cache query of its prompt (the n=2 samples and the beams share its admission).
+    assert delta("vllm:prefix_cache_queries_total") == prompt_tokens
     returned = delta("vllm:request_generation_tokens_sum")
     # The counter counts what the engine computed: the beam search's pruned beams too.
     assert delta("vllm:generation_tokens_total") == returned + (1 + 3 * 4) - 2 * 5
@@ -222,6 +229,21 @@ def test_the_model_server_protocol_series_agree_with_the_engine(server: TritonSe
     used = current.value("pagedllm:kv_blocks_used")
     assert current.value("vllm:kv_cache_usage_perc") == used / 64
     assert not [sample for sample, _ in current.of_model(MODEL) if sample == "vllm:lora_requests_info"]
+
+
+def test_prefix_cache_counters_count_each_prompt_once_and_its_cached_blocks(server: TritonServer, tokenizer) -> None:
+    prompt = "A prompt long enough to fill a few blocks of sixteen tokens: " + "metrics count tokens " * 8
+    num_tokens = len(tokenizer(prompt)["input_ids"])
+    before = scrape(server)
+    for _ in range(2):  # one after the other: the second finds the first's full blocks
+        assert stream_once(server.grpc_url, prompt, greedy(2), stream=False).error is None
+    after = settled(server, lambda s: s.value("vllm:prefix_cache_queries_total")
+                    - before.value("vllm:prefix_cache_queries_total") == 2 * num_tokens)
+    for name, (kind, help_text) in PREFIX_CACHE_SERIES.items():
+        assert (after.kinds.get(name), after.helps.get(name)) == (kind, help_text), name
+    # The last prompt token is never matched (its logits are needed): whole blocks before it.
+    hits = after.value("vllm:prefix_cache_hits_total") - before.value("vllm:prefix_cache_hits_total")
+    assert hits == (num_tokens - 1) // 16 * 16 > 0
 
 
 def test_report_custom_metrics_false_silences_the_model_and_it_still_serves(server: TritonServer) -> None:

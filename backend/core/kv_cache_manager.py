@@ -119,9 +119,7 @@ class KVCacheManager:
         num_revived = sum(1 for b in match.blocks if b.ref_count == 0)
         if num_fresh + int(needs_copy) + num_revived > len(self._free):
             return False
-        if self.enable_prefix_caching and seq.num_computed_tokens == 0 and not seq.block_ids:
-            # Counted only for admitted sequences: a queue head that keeps failing to fit
-            # would otherwise be counted as a lookup every step.
+        if self._counts_as_query(seq):
             self.prefix_queried_tokens += seq.num_tokens
             self.prefix_hit_tokens += len(match.blocks) * self.block_size
         for block in match.blocks:
@@ -135,6 +133,16 @@ class KVCacheManager:
             seq.block_ids.append(self._take_free().block_id)
         self.peak_blocks_used = max(self.peak_blocks_used, self.num_used_blocks)
         return True
+
+    def _counts_as_query(self, seq: Sample) -> bool:
+        """Whether admitting ``seq`` now counts as a prefix-cache query, as vLLM's ``vllm:prefix_cache_queries``.
+
+        Once per request's first admission (a queue head that keeps failing to fit would otherwise be
+        counted every step; a sequence re-admitted after preemption is not a new query), and only when
+        the cache was looked up (prompt-logprobs requests skip it).
+        """
+        return (self.enable_prefix_caching and seq.num_computed_tokens == 0 and not seq.block_ids
+                and seq.num_preemptions == 0 and seq.request.params.prompt_logprobs is None)
 
     def fork(self, parent: Sample, child: Sample, num_blocks: int | None = None) -> None:
         """Let ``child`` share every block of ``parent`` (or only its first ``num_blocks`` full, computed

@@ -52,6 +52,7 @@ class Sample:
     # ``token_ids`` (nor of any block's hash) until the target model accepts them; dropped whenever
     # ``token_ids`` changes or the sequence is preempted.
     spec_token_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0  # times preempted: a re-admission is not a new prefix-cache query (vLLM's rule)
 
     @property
     def num_tokens(self) -> int:

@@ -449,6 +449,7 @@ class Scheduler:
         seq.spec_token_ids = []
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
         seq.status = SampleStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -8,6 +8,11 @@ and alerts work unchanged:
   its prompt has been computed) and ``vllm:generation_tokens_total`` (tokens the engine
   sampled, every sample of an ``n > 1`` request and every live beam of a beam search),
   both raised step by step from the engine's cumulative counts;
+- counters ``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total`` (vLLM v1's prefix-cache
+  counters, in tokens, counted as vLLM counts them: once when a request is first admitted, its tokens then
+  and the tokens its cached blocks cover; a re-admission after preemption, and a prompt-logprobs request,
+  which skips the cache, count nothing). The hit rate is
+  ``rate(vllm:prefix_cache_hits_total[5m]) / rate(vllm:prefix_cache_queries_total[5m])``;
 - per finished request (a Triton request, whatever its ``n``; cancelled ones included):
   ``vllm:e2e_request_latency_seconds``, ``vllm:request_prompt_tokens``,
   ``vllm:request_generation_tokens`` (over all samples; beam search: the tokens of
@@ -36,9 +41,8 @@ acceptance length (tokens per verifying step, the bonus token included)
 Our own series, which vLLM does not have under these meanings: counters
 ``pagedllm:num_preemptions_total`` and ``pagedllm:engine_restarts_total`` (restarts of this model
 by ``pagedllm serve``'s supervisor, which keeps the count across the restarts; see
-``serving.supervision``); gauges ``pagedllm:kv_blocks_used``, ``pagedllm:kv_blocks_free``,
-``pagedllm:prefix_cache_hit_rate`` (hit / queried prompt tokens since start). No quantity is
-reported under two names.
+``serving.supervision``); gauges ``pagedllm:kv_blocks_used`` and ``pagedllm:kv_blocks_free``. No quantity
+is reported under two names.
 
 ``REPORT_CUSTOM_METRICS`` in config.pbtxt turns all of them off with ``"false"``, as in
 vllm_backend (which defaults to off; we default to on).
@@ -104,6 +108,10 @@ def metric_specs(max_model_len: int) -> tuple[MetricSpec, ...]:
     return (
         MetricSpec("vllm:prompt_tokens_total", "Number of prefill tokens processed.", "counter"),
         MetricSpec("vllm:generation_tokens_total", "Number of generation tokens processed.", "counter"),
+        MetricSpec("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.",
+                   "counter"),
+        MetricSpec("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.",
+                   "counter"),
         MetricSpec("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", "histogram",
                    TTFT_BUCKETS),
         MetricSpec("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
@@ -125,8 +133,6 @@ def metric_specs(max_model_len: int) -> tuple[MetricSpec, ...]:
         MetricSpec("pagedllm:kv_blocks_used", "KV-cache blocks referenced by requests.", "gauge"),
         MetricSpec("pagedllm:kv_blocks_free",
                    "KV-cache blocks free (including cached prefix blocks that can be revived).", "gauge"),
-        MetricSpec("pagedllm:prefix_cache_hit_rate", "Prefix-cache hit tokens / queried prompt tokens since start.",
-                   "gauge"),
     )
 
 
@@ -148,6 +154,8 @@ _SPEC_DECODE_SOURCES = {
 _COUNTER_SOURCES = {
     "vllm:prompt_tokens_total": "prompt_tokens_total",
     "vllm:generation_tokens_total": "generation_tokens_total",
+    "vllm:prefix_cache_queries_total": "prefix_cache_queried_tokens",
+    "vllm:prefix_cache_hits_total": "prefix_cache_hit_tokens",
     "pagedllm:num_preemptions_total": "num_preemptions",
 }
 
@@ -171,14 +179,12 @@ def gauge_values(stats: Any) -> dict[str, float]:
     """The gauge readings for one ``EngineStats`` snapshot."""
     total = stats.num_blocks_total
     used = total - stats.num_blocks_free
-    queried = stats.prefix_cache_queried_tokens
     return {
         "vllm:num_requests_running": float(stats.num_running),
         "vllm:num_requests_waiting": float(stats.num_waiting),
         "vllm:kv_cache_usage_perc": used / total if total else 0.0,
         "pagedllm:kv_blocks_used": float(used),
         "pagedllm:kv_blocks_free": float(stats.num_blocks_free),
-        "pagedllm:prefix_cache_hit_rate": stats.prefix_cache_hit_tokens / queried if queried else 0.0,
     }
 
 
