@@ -9,9 +9,9 @@ Setups, each started fresh (so every prefix-cache counter starts at zero): ``--r
 ``pagedllm serve`` replicas of ``--blocks`` KV blocks each, publishing KV cache events,
 behind ``vllm-router`` with each policy; and one replica of ``replicas x blocks`` blocks
 with no router, the ideal a router can at best match. Measured per setup: the prefix-cache
-hit rate (prompt tokens served from cache over prompt tokens, from the replicas' own
-``pagedllm:prefix_cache_hit_rate`` weighted by their ``vllm:prompt_tokens_total``), TTFT
-p50/p99 (first streamed token, as the client sees it) and output tokens per second.
+hit rate (prompt tokens served from cache over prompt tokens queried, summed over the replicas'
+own ``vllm:prefix_cache_hits_total`` and ``vllm:prefix_cache_queries_total``), TTFT p50/p99
+(first streamed token, as the client sees it) and output tokens per second.
 """
 from __future__ import annotations
 
@@ -127,13 +127,13 @@ def _measure(url: str, fleet: list[Replica], args: argparse.Namespace) -> dict[s
             list(pool.map(lambda user: turn(user, index), range(args.users)))
     elapsed = time.perf_counter() - started
     time.sleep(0.5)  # the replicas' metrics publish just after their last step
-    prompt_tokens = [r.metric("vllm:prompt_tokens_total") for r in fleet]
-    hits = sum(r.metric("pagedllm:prefix_cache_hit_rate") * tokens for r, tokens in zip(fleet, prompt_tokens))
+    queries = [r.metric("vllm:prefix_cache_queries_total") for r in fleet]
+    hits = [r.metric("vllm:prefix_cache_hits_total") for r in fleet]
     ttfts.sort()
-    return {"hit_rate": hits / max(sum(prompt_tokens), 1), "ttft_p50_s": statistics.median(ttfts),
+    return {"hit_rate": sum(hits) / max(sum(queries), 1), "ttft_p50_s": statistics.median(ttfts),
             "ttft_p99_s": ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))],
             "output_tok_s": output_tokens / elapsed, "requests": len(ttfts), "wall_s": elapsed,
-            "prompt_tokens_per_replica": prompt_tokens}
+            "prefix_cache_queries_per_replica": queries, "prefix_cache_hits_per_replica": hits}
 
 
 def _stream(url: str, prompt: str, max_tokens: int) -> tuple[float, str, int]:

