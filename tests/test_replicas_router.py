@@ -1,9 +1,10 @@
 """Replicas behind vllm-router, started the way docs/replicas.md tells users to.
 
-Two tiny ``pagedllm serve`` replicas, each publishing KV cache events on its own endpoints.
+Three tiny ``pagedllm serve`` replicas, each publishing KV cache events on its own endpoints.
 ``kv_aware`` must send requests that share a prefix to the replica that holds it (told apart
-by each replica's own metrics: which one's request count moved, and its prefix-cache hit
-rate); ``round_robin``, ``cache_aware`` and ``power_of_two`` must complete every request.
+by each replica's own prefix-cache counters: which one's queries moved, and how many of those
+tokens were hits); ``round_robin``, ``cache_aware`` and ``power_of_two`` must complete every
+request. A replica answers malformed replay requests while it serves, and keeps serving.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import requests
+import zmq
 
 from installed import strict
 from kv_event_subscriber import replay
@@ -92,7 +94,7 @@ def start_replica(model: Path, tmpdir: Path, ports: tuple[int, ...] | None = Non
 @pytest.fixture(scope="module")
 def replicas(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]]:
     model = tiny_model_dir("llama")
-    started = [start_replica(model, tmp_path_factory.mktemp(f"replica{i}")) for i in range(2)]
+    started = [start_replica(model, tmp_path_factory.mktemp(f"replica{i}")) for i in range(3)]
     try:
         for replica in started:
             wait_ready(replica.process, replica.output)
@@ -149,22 +151,30 @@ def complete(url: str, prompt: str) -> str:
     return answer.json()["choices"][0]["text"]
 
 
-def served_by(replicas: list[Replica], before: list[float], timeout_s: float = 30.0) -> int:
-    """The replica whose finished-request count moved past ``before`` (its metrics publish just after the step)."""
+def counters(replicas: list[Replica]) -> list[tuple[float, float]]:
+    """Each replica's (prefix-cache queries, hits), in tokens."""
+    return [(r.metric("vllm:prefix_cache_queries_total"), r.metric("vllm:prefix_cache_hits_total")) for r in replicas]
+
+
+def served_by(replicas: list[Replica], before: list[tuple[float, float]], timeout_s: float = 30.0) -> tuple[int, float]:
+    """The replica whose prefix-cache queries moved past ``before`` (its metrics publish just after the step), and
+    the fraction of the request's tokens it found cached."""
     deadline = time.monotonic() + timeout_s
     while True:
-        counts = [r.metric("vllm:request_prompt_tokens_count") for r in replicas]
-        moved = [i for i, (now, then) in enumerate(zip(counts, before)) if now > then]
+        now = counters(replicas)
+        moved = [i for i, (after, then) in enumerate(zip(now, before)) if after[0] > then[0]]
         if moved:
-            assert len(moved) == 1, (counts, before)
-            return moved[0]
-        assert time.monotonic() < deadline, "no replica finished the request"
+            assert len(moved) == 1, (now, before)
+            (queries, hits), (queries_before, hits_before) = now[moved[0]], before[moved[0]]
+            return moved[0], (hits - hits_before) / (queries - queries_before)
+        assert time.monotonic() < deadline, "no replica took the request"
         time.sleep(0.1)
 
 
 def test_kv_aware_sends_shared_prefixes_to_the_replica_that_holds_them(
         replicas: list[Replica], router: Callable[[str], str]) -> None:
-    tenants = {0: "Tenant zero asks: " + STORY * 2, 1: "Tenant one wonders: " + STORY * 2}
+    tenants = {0: "Tenant zero asks: " + STORY * 2, 1: "Tenant one wonders: " + STORY * 2,
+               2: "Tenant two would like to know: " + STORY * 2}
     # The router first: vllm-router replays a source's missed batches only after a gap in what it received,
     # so it learns what a replica cached before it subscribed only as those blocks are stored again.
     url = router("kv_aware")
@@ -173,14 +183,48 @@ def test_kv_aware_sends_shared_prefixes_to_the_replica_that_holds_them(
         complete(replicas[holder].url, prefix + "Warm up.")
     time.sleep(0.5)  # the events on their way
     # Without the events the router sends a request no replica holds to the least loaded one, the same one for
-    # both tenants here (one at a time): one of the two tenants would land on the wrong replica.
+    # every tenant here (one at a time): two of the three tenants would land on the wrong replica.
     for turn in range(3):
-        for holder in (1, 0):
-            before = [r.metric("vllm:request_prompt_tokens_count") for r in replicas]
+        for holder in (2, 1, 0):
+            before = counters(replicas)
             complete(url, tenants[holder] + f"Question {turn}?")
-            assert served_by(replicas, before) == holder, f"tenant {holder}, turn {turn}"
-    for replica in replicas:  # the replicas' own view: most prompt tokens came from the cache
-        assert replica.metric("pagedllm:prefix_cache_hit_rate") > 0.5
+            replica, hit_fraction = served_by(replicas, before)
+            assert replica == holder, f"tenant {holder}, turn {turn}"
+            # The replica's own view: the tenant's prefix came from its cache (a stranger's holds none of it).
+            assert hit_fraction > 0.8, f"tenant {holder}, turn {turn}: {hit_fraction:.0%} of its tokens were hits"
+
+
+def test_malformed_replay_requests_while_serving_get_the_end_marker_and_the_replica_keeps_serving(
+        replicas: list[Replica]) -> None:
+    replica = replicas[0]
+    malformed = ([b"no delimiter"], [b"", b"short"], [b"", b"12345678", b"extra"])
+    end_marker = [b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
+    context = zmq.Context()
+    try:
+        with ThreadPoolExecutor(3) as pool:  # requests in flight while the replay socket is abused
+            texts = [pool.submit(complete, replica.url, f"Busy {i}: " + STORY) for i in range(3)]
+            for request in malformed:
+                dealer = context.socket(zmq.DEALER)
+                dealer.setsockopt(zmq.LINGER, 0)
+                dealer.connect(replica.replay)
+                dealer.send_multipart(request)
+                assert dealer.poll(10_000), request
+                assert dealer.recv_multipart() == end_marker, request
+                dealer.close(linger=0)
+            flood = context.socket(zmq.DEALER)  # past the replay socket's MAXMSGSIZE: dropped, unanswered
+            flood.setsockopt(zmq.LINGER, 0)
+            flood.connect(replica.replay)
+            flood.send_multipart([b"", b"x" * 100_000])
+            assert not flood.poll(1000)
+            flood.close(linger=0)
+            assert all(isinstance(text.result(timeout=120), str) for text in texts)
+    finally:
+        context.term()
+    assert isinstance(complete(replica.url, "And after: " + STORY), str)
+    batches = replay(replica.replay, 0)  # a well-formed request still replays this life from its first batch
+    assert [seq for _, seq, _ in batches] == list(range(len(batches)))
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    assert type(decoder.decode(batches[0][2]).events[0]).__name__ == "AllBlocksCleared"
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "cache_aware", "power_of_two"])
