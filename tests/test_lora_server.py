@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +37,9 @@ pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 PROMPT = "def fibonacci(n):"
 MAX_TOKENS = 12
-ENGINE_ARGS = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 96, "max_model_len": 256, "max_loras": 2}
+# max_num_seqs 2: a third request waits while two run (vllm:lora_requests_info's waiting adapters).
+ENGINE_ARGS = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 96, "max_model_len": 256, "max_loras": 2,
+               "max_num_seqs": 2}
 
 
 @dataclass
@@ -43,6 +48,7 @@ class Serve:
     grpc_url: str
     openai_url: str
     adapters: dict[str, Path]
+    metrics_url: str
     output: list[str] = field(default_factory=list)
 
 
@@ -70,7 +76,8 @@ def serve(checkpoint: Path, adapters: dict[str, Path], tmp_path_factory: pytest.
                "--allow-runtime-lora-updating", "--host", "127.0.0.1", "--grpc-port", str(grpc),
                "--http-port", str(http), "--metrics-port", str(metrics), "--openai-port", str(port)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    running = Serve(process, f"127.0.0.1:{grpc}", f"http://127.0.0.1:{port}/v1", adapters)
+    running = Serve(process, f"127.0.0.1:{grpc}", f"http://127.0.0.1:{port}/v1", adapters,
+                    f"http://127.0.0.1:{metrics}/metrics")
     follow(process, running.output)
     try:
         wait_ready(process, running.output)
@@ -159,6 +166,45 @@ def test_openai_lists_adapters_and_streams_them(serve: Serve, offline: Callable[
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == offline(adapter)
     with pytest.raises(openai.NotFoundError, match="'nope' is not served here"):
         client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+
+
+def lora_requests_info(serve: Serve) -> list[dict[str, str]]:
+    """The labels of every vllm:lora_requests_info series on /metrics."""
+    text = requests.get(serve.metrics_url, timeout=10).text
+    assert "# TYPE vllm:lora_requests_info gauge" in text
+    return [dict(re.findall(r'(\w+)="([^"]*)"', labels))
+            for labels, value in re.findall(r'^vllm:lora_requests_info\{(.*)\} (\S+)$', text, re.MULTILINE)
+            if float(value) > 1e9]  # its value is the time of the update, as vLLM's
+
+
+def until_lora_info(serve: Serve, running: str, waiting: str) -> dict[str, str]:
+    deadline = time.monotonic() + 60
+    while True:
+        series = lora_requests_info(serve)
+        assert len(series) <= 1, series  # one series, replaced when the adapters change
+        if series and (series[0]["running_lora_adapters"], series[0]["waiting_lora_adapters"]) == (running, waiting):
+            return series[0]
+        assert time.monotonic() < deadline, f"never running={running!r} waiting={waiting!r}: last {series}"
+        time.sleep(0.02)
+
+
+def test_lora_requests_info_shows_the_running_and_waiting_adapters(serve: Serve) -> None:
+    def stream(model: str) -> str:
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 240, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with requests.post(f"{serve.openai_url}/completions", json=body, stream=True, timeout=300) as answer:
+            assert answer.status_code == 200, answer.text
+            return "".join(line.decode() for line in answer.iter_lines())
+
+    with ThreadPoolExecutor(3) as pool:
+        first = [pool.submit(stream, "sql"), pool.submit(stream, "chat")]
+        labels = until_lora_info(serve, running="chat,sql", waiting="")
+        assert {key: labels[key] for key in ("max_lora", "model", "version")} == {
+            "max_lora": "2", "model": "llm", "version": "1"}
+        third = pool.submit(stream, "sql")  # max_num_seqs=2: it waits for one of the two
+        until_lora_info(serve, running="chat,sql", waiting="sql")
+        assert all("[DONE]" in done.result(timeout=300) for done in [*first, third])
+    until_lora_info(serve, running="", waiting="")
 
 
 def test_runtime_load_and_unload(serve: Serve, offline: Callable[[str | None], str]) -> None:
