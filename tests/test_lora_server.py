@@ -168,23 +168,24 @@ def test_openai_lists_adapters_and_streams_them(serve: Serve, offline: Callable[
         client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
 
 
-def lora_requests_info(serve: Serve) -> list[dict[str, str]]:
-    """The labels of every vllm:lora_requests_info series on /metrics."""
+def newest_lora_requests_info(serve: Serve) -> dict[str, str] | None:
+    """The labels of the vllm:lora_requests_info series a reader takes: the newest (its value is the time of its
+    update, as vLLM's; older label sets stay on /metrics with their older times, as vLLM's do)."""
     text = requests.get(serve.metrics_url, timeout=10).text
     assert "# TYPE vllm:lora_requests_info gauge" in text
-    return [dict(re.findall(r'(\w+)="([^"]*)"', labels))
-            for labels, value in re.findall(r'^vllm:lora_requests_info\{(.*)\} (\S+)$', text, re.MULTILINE)
-            if float(value) > 1e9]  # its value is the time of the update, as vLLM's
+    series = [(float(value), dict(re.findall(r'(\w+)="([^"]*)"', labels)))
+              for labels, value in re.findall(r'^vllm:lora_requests_info\{(.*)\} (\S+)$', text, re.MULTILINE)]
+    assert all(time_of_update > 1e9 and labels["max_lora"] == "2" for time_of_update, labels in series), series
+    return max(series, key=lambda entry: entry[0])[1] if series else None
 
 
 def until_lora_info(serve: Serve, running: str, waiting: str) -> dict[str, str]:
     deadline = time.monotonic() + 60
     while True:
-        series = lora_requests_info(serve)
-        assert len(series) <= 1, series  # one series, replaced when the adapters change
-        if series and (series[0]["running_lora_adapters"], series[0]["waiting_lora_adapters"]) == (running, waiting):
-            return series[0]
-        assert time.monotonic() < deadline, f"never running={running!r} waiting={waiting!r}: last {series}"
+        labels = newest_lora_requests_info(serve)
+        if labels and (labels["running_lora_adapters"], labels["waiting_lora_adapters"]) == (running, waiting):
+            return labels
+        assert time.monotonic() < deadline, f"never running={running!r} waiting={waiting!r}: last {labels}"
         time.sleep(0.02)
 
 

@@ -237,7 +237,9 @@ class TritonMetrics:
                                   for position in range(speculative_positions)]
         self._published_spec = dict.fromkeys(_SPEC_DECODE_SOURCES, 0)
         self._published_per_position = [0] * speculative_positions
-        # Info gauges: one series each, replaced when its labels change (Triton drops a collected Metric).
+        # Info gauges: the series of their current labels. When the labels change a new series takes over;
+        # Triton keeps the old one on /metrics with its last value (for lora_requests_info, the time of its
+        # last update, so readers take the newest series, as they do with vLLM's).
         self._info: dict[str, tuple[dict[str, str], Any]] = {}
         self._interval_s = interval_s
         self._published_counters = dict.fromkeys(_COUNTER_SOURCES, 0)
