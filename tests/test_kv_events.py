@@ -44,7 +44,9 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, can
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
-        if steps == 6:
+        if steps == 6 and cancel:
+            holding = {seq.request.request_id for seq in engine.scheduler.running if seq.block_ids}
+            assert holding & {f"r{index}" for index in cancel}, "a cancelled request was meant to hold blocks"
             for index in cancel:
                 engine.abort_request(f"r{index}")
 
