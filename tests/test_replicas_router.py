@@ -194,6 +194,26 @@ def test_kv_aware_sends_shared_prefixes_to_the_replica_that_holds_them(
             assert hit_fraction > 0.8, f"tenant {holder}, turn {turn}: {hit_fraction:.0%} of its tokens were hits"
 
 
+@pytest.mark.full  # a second kv_aware router (~10 s)
+def test_a_router_that_subscribes_late_catches_up_through_replay(
+        replicas: list[Replica], router: Callable[[str], str]) -> None:
+    """vllm-router asks a replica's replay socket for what it missed when the next live batch shows a gap in the
+    sequence numbers: blocks cached before it subscribed are known once the replica publishes anything."""
+    tenants = {holder: f"Late tenant {holder} says: " + STORY * 2 for holder in range(3)}
+    for holder, prefix in tenants.items():  # cached before any router subscribed
+        complete(replicas[holder].url, prefix + "Warm up.")
+    url = router("kv_aware")
+    time.sleep(1.0)  # its subscriptions in place
+    for replica in replicas:  # one new batch from each replica (blocks of another prompt): a gap in what it saw
+        complete(replica.url, f"Nudge for {replica.url}: " + STORY)
+    time.sleep(0.5)  # the replays on their way
+    for holder in (2, 1, 0):
+        before = counters(replicas)
+        complete(url, tenants[holder] + "Question?")
+        replica, hit_fraction = served_by(replicas, before)
+        assert replica == holder and hit_fraction > 0.8, f"tenant {holder}: replica {replica}, {hit_fraction:.0%}"
+
+
 def test_malformed_replay_requests_while_serving_get_the_end_marker_and_the_replica_keeps_serving(
         replicas: list[Replica]) -> None:
     replica = replicas[0]
