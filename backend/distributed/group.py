@@ -3,8 +3,11 @@
 The group is torch.distributed's default process group (gloo on CPU, NCCL on
 CUDA), joined through its env rendezvous (``MASTER_ADDR``, ``MASTER_PORT``,
 ``RANK``, ``WORLD_SIZE``). One engine per process, so the default group is
-the engine's. At size 1 every collective is a no-op and nothing is imported
-or initialised, so the single-device engine runs exactly as before.
+the engine's. CPU ranks on one host also share a memory segment, through which
+the forward's all-reduces and the logits gather go instead of gloo's TCP pairs
+(:mod:`pagedllm.distributed.shm_group`); gloo runs whatever that cannot. At
+size 1 every collective is a no-op and nothing is imported or initialised, so
+the single-device engine runs exactly as before.
 """
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from pagedllm.distributed.shm_group import SharedMemoryGroup, open_shared_memory
 
 # A step's collectives wait at most this long for a peer (a long prefill on a slow rank takes seconds,
 # a dead peer is noticed at once by gloo's closed connection; NCCL needs the bound).
@@ -26,6 +31,7 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     device: torch.device = torch.device("cpu")  # where this rank's collective buffers live
+    shm: SharedMemoryGroup | None = None  # CPU ranks on one host: the forward's collectives go through it
 
     @property
     def is_first(self) -> bool:
@@ -33,8 +39,11 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The elementwise sum over the ranks, in place."""
-        if self.size > 1:
-            dist.all_reduce(x)
+        if self.size == 1:
+            return x
+        if self.shm is not None and self.shm.can_all_reduce(x):
+            return self.shm.all_reduce(x)
+        dist.all_reduce(x)
         return x
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -42,6 +51,8 @@ class TensorParallel:
         if self.size == 1:
             return x
         x = x.contiguous()
+        if self.shm is not None and self.shm.can_gather(x):
+            return self.shm.gather_columns(x)
         if not self.is_first:
             dist.gather(x, None, dst=0)
             return None
@@ -59,6 +70,7 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+_shared_memory: list[SharedMemoryGroup] = []  # this process's segment while it is in the group
 
 
 def join_group(rank: int, size: int, device: torch.device) -> TensorParallel:
@@ -66,9 +78,14 @@ def join_group(rank: int, size: int, device: torch.device) -> TensorParallel:
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT, **kwargs)
-    return TensorParallel(rank, size, device)
+    shm = open_shared_memory(rank, size, COLLECTIVE_TIMEOUT.total_seconds()) if device.type == "cpu" else None
+    if shm is not None:
+        _shared_memory.append(shm)
+    return TensorParallel(rank, size, device, shm)
 
 
 def leave_group() -> None:
+    while _shared_memory:
+        _shared_memory.pop().close()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
