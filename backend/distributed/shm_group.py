@@ -18,7 +18,7 @@ chunks.
 The segment is unlinked as soon as every rank has mapped it, so nothing is left
 in ``/dev/shm`` however a rank ends afterwards; one left by a rank 0 killed during
 the set-up itself is removed by the next set-up on the host (its name carries the
-dead pid). A waiting rank spins for a moment, then sleeps between looks, and
+dead pid). A waiting rank spins for up to a millisecond, then sleeps on a futex, and
 every 50 ms checks that its peers are alive: a peer that died ends the wait with
 :class:`PeerGone`, which the engine turns into ``WorkerDied`` as it does gloo's
 closed connection.
@@ -48,7 +48,7 @@ SWITCH_ENV = "PAGEDLLM_TP_SHM"  # "0": every collective goes through torch.distr
 SHM_DIR = Path("/dev/shm")
 PREFIX = "pagedllm_tp_"  # then rank 0's pid and a random tag
 SLOT_BYTES = 4 << 20  # per rank and round parity; a decode step's all-reduce is a few hundred KiB at most
-SPIN_NS = 2_000_000  # a waiting rank spins this long before it sleeps between looks
+SPIN_NS = 1_000_000  # a waiting rank spins this long (a step's ranks arrive within it), then sleeps on a futex
 SLICE_NS = 50_000_000  # and checks its peers are alive this often
 _DTYPES = (torch.float32, torch.bfloat16)
 
