@@ -60,6 +60,39 @@ class TensorParallel:
         dist.gather(x, parts, dst=0)
         return torch.cat(parts, dim=-1)
 
+    def broadcast_ints(self, values: torch.Tensor | None, patient: bool = False) -> torch.Tensor:
+        """Rank 0 sends a 1-D int64 tensor whose length the others do not know; every rank returns it.
+
+        ``patient``: a receiver waits for rank 0 however long it takes (a worker between steps) where the
+        message goes through shared memory; a peer that ends still ends the wait."""
+        if self.shm is not None:
+            return self._broadcast_through_memory(self.shm, values, patient)
+        length = torch.tensor([0 if values is None else values.numel()], dtype=torch.int64, device=self.device)
+        dist.broadcast(length, src=0)
+        if values is None:
+            values = torch.empty(int(length.item()), dtype=torch.int64, device=self.device)
+        dist.broadcast(values, src=0)
+        return values
+
+    def _broadcast_through_memory(self, shm: SharedMemoryGroup, values: torch.Tensor | None,
+                                  patient: bool) -> torch.Tensor:
+        # The message's first int: 0 when the values follow inline, else their count, then sent by gloo.
+        if self.is_first:
+            if values is None:
+                raise ValueError("rank 0 broadcasts values")
+            inline = shm.can_broadcast((values.numel() + 1) * 8)
+            count = torch.tensor([0 if inline else values.numel()], dtype=torch.int64)
+            shm.broadcast_from_first(torch.cat([count, values.reshape(-1)]) if inline else count)
+            if not inline:
+                dist.broadcast(values, src=0)
+            return values
+        message = shm.broadcast_from_first(None, patient).view(torch.int64)
+        if message[0] == 0:
+            return message[1:]
+        values = torch.empty(int(message[0]), dtype=torch.int64)
+        dist.broadcast(values, src=0)
+        return values
+
     def min_int(self, value: int) -> int:
         """The smallest of every rank's ``value`` (each rank's KV budget: the cache is as small as the least)."""
         if self.size == 1:

@@ -62,7 +62,7 @@ static uint64_t now_ns(void) {
 /* Put this rank's ``nbytes`` for round ``round`` in its slot, then publish the round. */
 void pagedllm_shm_post(rank_control* controls, int rank, uint64_t round, void* slot, const void* src,
                        int64_t nbytes) {
-    memcpy(slot, src, (size_t)nbytes);
+    if (nbytes > 0) memcpy(slot, src, (size_t)nbytes);
     rank_control* mine = &controls[rank];
     mine->nbytes[round & 1] = (uint64_t)nbytes;
     atomic_store_explicit(&mine->posted, round, memory_order_release);
@@ -84,7 +84,8 @@ static void sleep_on(rank_control* control, uint32_t seen, uint64_t nanoseconds)
 }
 
 /* Wait until every rank has posted round ``round``. Returns 0 when all have; -1 - r when rank r posted
- * a different size (the ranks called different collectives: a bug, never waited out); 1 - the
+ * a size other than ``nbytes`` (the ranks called different collectives: a bug, never waited out; a
+ * negative ``nbytes`` checks nothing, as in a broadcast, where only rank 0 sends); 1 - the
  * caller's slice ended first - when ``slice_ns`` passed (the caller checks its peers are alive and
  * calls again). The first ``spin_ns`` spin on the flag, then the rank sleeps on the peer's futex. */
 int pagedllm_shm_wait(rank_control* controls, int world, uint64_t round, int64_t nbytes, int64_t spin_ns,
@@ -102,9 +103,14 @@ int pagedllm_shm_wait(rank_control* controls, int world, uint64_t round, int64_t
             if (waited >= (uint64_t)slice_ns) return 1;
             if (waited >= (uint64_t)spin_ns) sleep_on(&controls[r], (uint32_t)posted, (uint64_t)slice_ns - waited);
         }
-        if (controls[r].nbytes[round & 1] != (uint64_t)nbytes) return -1 - r;
+        if (nbytes >= 0 && controls[r].nbytes[round & 1] != (uint64_t)nbytes) return -1 - r;
     }
     return 0;
+}
+
+/* The bytes rank ``rank`` posted in round ``round`` (after a wait that saw it post). */
+int64_t pagedllm_shm_posted_bytes(const rank_control* controls, int rank, uint64_t round) {
+    return (int64_t)controls[rank].nbytes[round & 1];
 }
 
 static inline float bf16_to_f32(uint16_t value) {

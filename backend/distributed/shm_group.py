@@ -4,7 +4,8 @@ gloo moves every all-reduce through TCP pairs over loopback: tens of microsecond
 of system calls and copies per call even for a few kilobytes, and a step makes two
 per layer. Ranks on one host can instead meet in memory, as vLLM's CPU communicator
 does: each rank copies its part into its own slot of a ``/dev/shm`` segment, raises
-a flag, waits for the others' flags and reads their slots. The flags and the sums
+a flag, waits for the others' flags and reads their slots. Rank 0's broadcast of each
+step's inputs goes the same way. The flags and the sums
 are the C routines of ``shm_collectives.c`` (Python has no atomics); the segment,
 its layout and every decision about when to use it are here.
 
@@ -73,6 +74,7 @@ class SharedMemoryGroup:
         self._post, self._wait_c = library.pagedllm_shm_post, library.pagedllm_shm_wait
         self._sum = {torch.float32: library.pagedllm_shm_sum_f32, torch.bfloat16: library.pagedllm_shm_sum_bf16}
         self._gather = library.pagedllm_shm_gather_rows
+        self._posted_bytes = library.pagedllm_shm_posted_bytes
         self._round = 0
         self._broken: str | None = None
         self.calls = 0
@@ -80,6 +82,9 @@ class SharedMemoryGroup:
 
     def can_all_reduce(self, x: torch.Tensor) -> bool:
         return x.dtype in _DTYPES and x.device.type == "cpu" and x.is_contiguous()
+
+    def can_broadcast(self, nbytes: int) -> bool:
+        return nbytes <= SLOT_BYTES
 
     def can_gather(self, x: torch.Tensor) -> bool:
         return self.can_all_reduce(x) and x.dim() >= 1 and 0 < x.shape[-1] * x.element_size() <= SLOT_BYTES
@@ -115,6 +120,24 @@ class SharedMemoryGroup:
         self._account(started)
         return out
 
+    def broadcast_from_first(self, message: torch.Tensor | None, patient: bool = False) -> torch.Tensor:
+        """Rank 0 sends ``message`` (dense, at most a slot); every other rank returns a copy of it as ``uint8``.
+        ``patient``: wait for rank 0 without the time limit (a worker waiting for the next step, however long
+        the engine stays idle); a peer that ends still ends the wait."""
+        started = time.perf_counter()
+        if self.rank == 0:
+            if message is None or message.nbytes > SLOT_BYTES or not message.is_contiguous():
+                raise ValueError("rank 0 broadcasts one dense tensor of at most a slot")
+            self._exchange(message.data_ptr(), message.nbytes, "broadcast", check_size=False)
+            self._account(started)
+            return message.view(torch.uint8).reshape(-1)
+        parity = self._exchange(0, 0, "broadcast", check_size=False, patient=patient)
+        nbytes = int(self._posted_bytes(ctypes.c_void_p(self._controls), 0, ctypes.c_uint64(self._round)))
+        received = torch.empty(nbytes, dtype=torch.uint8)
+        ctypes.memmove(received.data_ptr(), self._slots[parity][0], nbytes)
+        self._account(started)
+        return received
+
     def close(self) -> None:
         """Unmap the segment (its name was unlinked at set-up)."""
         if self._mapping.closed:
@@ -124,23 +147,24 @@ class SharedMemoryGroup:
         del self._anchor
         self._mapping.close()
 
-    def _exchange(self, address: int, nbytes: int, what: str) -> int:
+    def _exchange(self, address: int, nbytes: int, what: str, check_size: bool = True, patient: bool = False) -> int:
         """Post ``nbytes`` at ``address`` as this rank's part of the next round and wait for every rank's;
-        returns the round's slot parity."""
+        returns the round's slot parity. ``check_size``: every rank must post as many bytes."""
         if self._broken is not None:
             raise RuntimeError(f"the shared-memory collectives of rank {self.rank} stopped earlier: {self._broken}")
         self._round += 1
         parity = self._round & 1
         self._post(ctypes.c_void_p(self._controls), self.rank, ctypes.c_uint64(self._round),
                    ctypes.c_void_p(self._slots[parity][self.rank]), ctypes.c_void_p(address), ctypes.c_int64(nbytes))
-        code = self._wait(nbytes, SPIN_NS)
+        expected = nbytes if check_size else -1
+        code = self._wait(expected, SPIN_NS)
         deadline = time.monotonic() + self._timeout_s
         while code == 1:  # a peer is late: alive? then wait on (Ctrl-C is seen between slices)
             self._check_peers(what)
-            if time.monotonic() > deadline:
+            if not patient and time.monotonic() > deadline:
                 self._fail(f"rank {self.rank} waited {self._timeout_s:.0f} s for its peers in a shared-memory "
                            f"{what} (round {self._round}); a peer is alive but not arriving", RuntimeError)
-            code = self._wait(nbytes, 0)
+            code = self._wait(expected, 0)
         if code < 0:
             self._fail(f"rank {-1 - code} posted a different size than rank {self.rank}'s {nbytes} bytes in a "
                        f"shared-memory {what}: the ranks ran different collectives", RuntimeError)
@@ -217,6 +241,8 @@ def _library() -> ctypes.CDLL | None:
     for routine in (library.pagedllm_shm_sum_f32, library.pagedllm_shm_sum_bf16):
         routine.argtypes = [pointer, pointer, i32, i64, i32]
         routine.restype = None
+    library.pagedllm_shm_posted_bytes.argtypes = [pointer, i32, u64]
+    library.pagedllm_shm_posted_bytes.restype = i64
     library.pagedllm_shm_gather_rows.argtypes = [pointer, pointer, i32, i64, i64]
     library.pagedllm_shm_gather_rows.restype = None
     return library

@@ -88,7 +88,7 @@ def _serve(device: torch.device, tp: TensorParallel) -> None:
     runner = ModelRunner(model, attention, sizes.num_blocks, config.block_size, kv_cache_dtype, device, limits,
                          cuda_graphs=config.cuda_graphs, lora=lora)
     with torch.inference_mode():
-        while (step := receive_step(device)) is not None:
+        while (step := receive_step(tp)) is not None:
             inputs, copies, lora_loads = step
             for slot, request in lora_loads:
                 if lora is not None:

@@ -146,7 +146,7 @@ class WorkerGroup:
         which a stop broadcast would not match (Ctrl-C during a load), so it is killed instead."""
         if self._stepping and all(process.poll() is None for process in self._processes):
             try:
-                broadcast_stop(self.device)
+                broadcast_stop(self.tp)
             except Exception:  # a worker is already gone: the others are killed below
                 log.warning("could not tell the tensor-parallel workers to stop; killing them")
         deadline = time.monotonic() + timeout_s
