@@ -20,7 +20,8 @@ import torch.distributed as dist
 from pagedllm.distributed.shm_group import SharedMemoryGroup, open_shared_memory
 
 # A step's collectives wait at most this long for a peer (a long prefill on a slow rank takes seconds,
-# a dead peer is noticed at once by gloo's closed connection; NCCL needs the bound).
+# a dead peer is noticed at once by gloo's closed connection and within 50 ms in shared memory; NCCL needs
+# the bound).
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=15)
 
 

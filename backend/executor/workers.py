@@ -2,14 +2,14 @@
 
 Workers are plain child interpreters of the engine-core process, started with
 the same Python (in a served model that is the venv's, not the Triton stub's),
-one per rank 1..tp-1. Each joins torch.distributed's env rendezvous on a port
+one per rank 1..tp-1, each bound to its share of the CPUs on a CPU engine. Each joins torch.distributed's env rendezvous on a port
 picked free here, loads its own slice of the checkpoint and then runs the
 forward of every step rank 0 broadcasts (:mod:`pagedllm.executor.worker_main`).
 They never outlive rank 0: each asks the kernel for SIGKILL when its parent
 dies (``PR_SET_PDEATHSIG``) and watches its parent's pid besides.
 
 A worker that dies makes rank 0's next collective fail at once (gloo sees the
-closed connection); :meth:`WorkerGroup.check` then names the rank and how it
+closed connection, a shared-memory wait its pid gone); :meth:`WorkerGroup.check` then names the rank and how it
 ended, and the engine raises :class:`WorkerDied`, which ends the engine core so
 that the serving layer's recovery starts a fresh one with fresh workers.
 
