@@ -13,7 +13,8 @@ of long prompt I, or the first prompt's ``tokens``, each answered by one JSON li
 
 At ``--tp`` > 1 the ranks are vLLM's multiprocessing workers, each bound to its own CPU
 (``VLLM_CPU_OMP_THREADS_BIND`` "0|1|..." from the CPUs this process may use), one OpenMP thread each, as
-pagedllm's ranks are bound; at ``--tp`` 1 the engine runs ``--threads`` unbound threads.
+pagedllm's ranks are bound; at ``--tp`` 1 the engine runs ``--threads`` unbound threads. The engine core
+runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as pagedllm's does.
 """
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ def main() -> int:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # The engine core in this process, as pagedllm's rank 0 is: step() then runs one step. In its own process
+    # the core steps on by itself, and step() only collects what it already produced.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     prompts = json.loads(args.prompts.read_text())
     batch, long_prompts = prompts["batch"], prompts["long"]
