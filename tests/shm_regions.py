@@ -1,4 +1,5 @@
-"""The Python backend stubs' shared-memory regions in ``/dev/shm``, for tests that kill servers or stubs.
+"""The Python backend stubs' shared-memory regions in ``/dev/shm``, for tests that kill servers or stubs, and
+the tensor-parallel ranks' segments (``pagedllm.distributed.shm_group``: unlinked once mapped, so never left).
 
 A stub names its region on its command line; tritonserver removes it when it unloads the
 model, so a server or stub killed instead leaves the region (1 MiB) behind. A region no
@@ -15,12 +16,13 @@ from pathlib import Path
 
 SHM = Path("/dev/shm")
 PREFIX = "triton_pagedllm_backend_shm_region_"
+PREFIXES = (PREFIX, "pagedllm_tp_")
 
 
 def present() -> set[str]:
     """Our regions in ``/dev/shm`` now."""
     try:
-        return {entry.name for entry in SHM.iterdir() if entry.name.startswith(PREFIX)}
+        return {entry.name for entry in SHM.iterdir() if entry.name.startswith(PREFIXES)}
     except OSError:
         return set()
 
@@ -28,14 +30,15 @@ def present() -> set[str]:
 def mapped() -> set[str]:
     """Our regions some live process maps (its server or stub, this run's or another's)."""
     found: set[str] = set()
-    marker = f"{SHM}/{PREFIX}"
+    markers = tuple(f"{SHM}/{prefix}" for prefix in PREFIXES)
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
             text = maps.read_text()
         except OSError:  # gone meanwhile, or not ours to read
             continue
-        if marker in text:
-            found.update(line.rsplit("/", 1)[-1] for line in text.splitlines() if marker in line)
+        if any(marker in text for marker in markers):
+            found.update(line.rsplit("/", 1)[-1] for line in text.splitlines()
+                         if any(marker in line for marker in markers))
     return found
 
 

@@ -1,7 +1,9 @@
-"""Tensor parallelism over gloo on the CPU: greedy tokens at TP=2 equal transformers' and TP=1's, token for token.
+"""Tensor parallelism on the CPU: greedy tokens at TP=2 equal transformers' and TP=1's, token for token.
 
 Each engine here is rank 0 of a two-process group; its worker is a real child
-process that loads its own half of the checkpoint. The matrix covers the four
+process that loads its own half of the checkpoint. The forward's all-reduces and
+logits gather go through the ranks' shared-memory segment (gloo carries the step
+broadcasts); ``test_tensor_parallel_shm.py`` tests the collectives themselves. The matrix covers the four
 architectures under a tight pool (preemption and chunked prefill asserted),
 prefix-cache hits and beam search, and a checkpoint built to stress the
 sharding rules: one KV head for two ranks (replicated), a vocabulary that does
@@ -84,13 +86,20 @@ def test_tp2_replicated_kv_head_odd_vocab_and_row_parallel_biases(awkward_model:
     sampled = SamplingParams(n=2, temperature=0.0, max_tokens=16, logprobs=3, stop=["e"])
     with LLM(str(awkward_model), dtype="float32") as single:
         want = single.generate("def f(x): return x", sampled)[0]
-    with LLM(str(awkward_model), dtype="float32", tensor_parallel_size=2) as llm:
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("two ranks need two CPUs")
+    with LLM(str(awkward_model), dtype="float32", tensor_parallel_size=2, cpu_bind=f"{cpus[0]},{cpus[1]}") as llm:
+        assert llm.engine.model.tp.shm is not None  # the collectives go through shared memory
+        (worker,) = llm.engine.workers.pids()
+        assert (os.sched_getaffinity(0), os.sched_getaffinity(worker)) == ({cpus[0]}, {cpus[1]})
         assert llm.engine.model.num_kv_heads == 1  # each rank holds the one KV head
         assert llm.engine.model.layout.vocab_per_rank == 1026
         assert_matches_reference(awkward_model, prompts, generate(llm, prompts))
         got = llm.generate("def f(x): return x", sampled)[0]
         with pytest.raises(ValueError, match="prompt_logprobs is not supported with tensor_parallel_size > 1"):
             llm.generate("x", SamplingParams(prompt_logprobs=1))
+    assert os.sched_getaffinity(0) == set(cpus)  # rank 0's CPUs came back
     for mine, theirs in zip(got.outputs, want.outputs, strict=True):
         assert (mine.token_ids, mine.text, mine.finish_reason) == (theirs.token_ids, theirs.text, theirs.finish_reason)
         for step, other in zip(mine.logprobs, theirs.logprobs, strict=True):

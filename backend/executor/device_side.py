@@ -68,7 +68,7 @@ def set_up_device_side(config: EngineConfig, model_dir: Path) -> DeviceSide:
     tp = SINGLE
     if config.tensor_parallel_size > 1:
         check_size(config.tensor_parallel_size, device, str(model_dir))
-        workers = WorkerGroup(config.tensor_parallel_size, device)
+        workers = WorkerGroup(config.tensor_parallel_size, device, config.cpu_bind)
     try:
         if workers is not None:
             workers.send(LoadSpec(config, str(model_dir), dtype, attention.name))

@@ -20,13 +20,15 @@ import torch
 import torch.distributed as dist
 
 from pagedllm.lora.manager import LoRAManager
+from pagedllm.platform.cpu_binding import parse_cpu_list, pin_process, prefer_memory_of
 from pagedllm.platform.processes import die_with_parent
 from pagedllm.models import load_model
 from pagedllm.models.loader import checkpoint_files
 from pagedllm.layers.quantization import checkpoint_kv_cache_scales
 from pagedllm.distributed.group import TensorParallel, join_group, leave_group
 from pagedllm.worker.step_wire import receive_step
-from pagedllm.executor.workers import DEVICE_ENV, PARENT_ENV, THREADS_ENV, LoadSpec, RunnerSpec
+from pagedllm.executor.workers import (CPUS_ENV, DEVICE_ENV, NODES_ENV, PARENT_ENV, THREADS_ENV, LoadSpec,
+                                      RunnerSpec)
 from pagedllm.attention.backends import attention_backend_named
 from pagedllm.attention.kv_quant import prepare_kv_cache
 from pagedllm.worker.model_runner import BatchLimits, ModelRunner, kv_budget_bytes
@@ -43,6 +45,9 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device(os.environ[DEVICE_ENV])
+    if os.environ.get(CPUS_ENV):  # before torch starts its threads, which inherit it
+        pin_process(parse_cpu_list(os.environ[CPUS_ENV]))
+        prefer_memory_of(parse_cpu_list(os.environ[NODES_ENV]) if os.environ.get(NODES_ENV) else frozenset())
     torch.set_num_threads(int(os.environ[THREADS_ENV]))
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -83,7 +88,7 @@ def _serve(device: torch.device, tp: TensorParallel) -> None:
     runner = ModelRunner(model, attention, sizes.num_blocks, config.block_size, kv_cache_dtype, device, limits,
                          cuda_graphs=config.cuda_graphs, lora=lora)
     with torch.inference_mode():
-        while (step := receive_step(device)) is not None:
+        while (step := receive_step(tp)) is not None:
             inputs, copies, lora_loads = step
             for slot, request in lora_loads:
                 if lora is not None:

@@ -2,14 +2,14 @@
 
 Workers are plain child interpreters of the engine-core process, started with
 the same Python (in a served model that is the venv's, not the Triton stub's),
-one per rank 1..tp-1. Each joins torch.distributed's env rendezvous on a port
+one per rank 1..tp-1, each bound to its share of the CPUs on a CPU engine. Each joins torch.distributed's env rendezvous on a port
 picked free here, loads its own slice of the checkpoint and then runs the
 forward of every step rank 0 broadcasts (:mod:`pagedllm.executor.worker_main`).
 They never outlive rank 0: each asks the kernel for SIGKILL when its parent
 dies (``PR_SET_PDEATHSIG``) and watches its parent's pid besides.
 
 A worker that dies makes rank 0's next collective fail at once (gloo sees the
-closed connection); :meth:`WorkerGroup.check` then names the rank and how it
+closed connection, a shared-memory wait its pid gone); :meth:`WorkerGroup.check` then names the rank and how it
 ended, and the engine raises :class:`WorkerDied`, which ends the engine core so
 that the serving layer's recovery starts a fresh one with fresh workers.
 
@@ -38,6 +38,8 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from pagedllm.core.errors import EngineBroken
+from pagedllm.platform.cpu_binding import (RankPlacement, count_other_processes, numa_nodes, parse_cpu_list,
+                                           pin_process, place_ranks)
 from pagedllm.platform.processes import free_port
 from pagedllm.layers.tensor_parallel import model_shape
 from pagedllm.distributed.group import TensorParallel, join_group, leave_group
@@ -50,6 +52,8 @@ WORKER_MARKER = "from pagedllm.executor.worker_main import main"  # in every wor
 THREADS_ENV = "PAGEDLLM_TP_THREADS"
 DEVICE_ENV = "PAGEDLLM_TP_DEVICE"
 PARENT_ENV = "PAGEDLLM_TP_PARENT"
+CPUS_ENV = "PAGEDLLM_TP_CPUS"  # this rank's CPUs (a CPU list), where the ranks are bound
+NODES_ENV = "PAGEDLLM_TP_NODES"  # the NUMA nodes of those CPUs, whose memory the rank prefers
 
 
 class WorkerDied(EngineBroken):
@@ -77,11 +81,14 @@ class RunnerSpec:
 class WorkerGroup:
     """Ranks 1..size-1 as child processes, and this process as rank 0 of their group."""
 
-    def __init__(self, size: int, device: torch.device) -> None:
+    def __init__(self, size: int, device: torch.device, cpu_bind: str = "auto") -> None:
         _check_group_is_free()
         self.size = size
         self.device = device
+        placement = _placement(size, cpu_bind) if device.type == "cpu" else None
         threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else torch.get_num_threads()
+        if placement is not None:
+            threads = min(threads, *(len(rank.cpus) for rank in placement))
         torch.set_num_threads(threads)  # this rank's share too: the ranks run their forwards at the same time
         port = free_port()
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(size),
@@ -92,11 +99,17 @@ class WorkerGroup:
         for rank in range(1, size):
             rank_device = _rank_device(device, rank)
             command = [sys.executable, "-c", f"{WORKER_MARKER}; main()"]
+            where = {} if placement is None else {CPUS_ENV: _cpu_list(placement[rank].cpus),
+                                                   NODES_ENV: _cpu_list(placement[rank].nodes)}
             self._processes.append(subprocess.Popen(
-                command, env={**env, "RANK": str(rank), DEVICE_ENV: str(rank_device)}))
+                command, env={**env, "RANK": str(rank), DEVICE_ENV: str(rank_device), **where}))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        # Rank 0 is this process (an offline LLM's is the user's): its own CPUs come back when the group ends.
+        unbound = frozenset(os.sched_getaffinity(0))
+        if placement is not None:
+            pin_process(placement[0].cpus)
         # Holds the processes, not self: it runs when this group is collected without close().
-        self._release = weakref.finalize(self, _release, self._processes)
+        self._release = weakref.finalize(self, _release, self._processes, unbound if placement else None)
         try:
             self.tp: TensorParallel = join_group(0, size, device)
         except BaseException:
@@ -133,7 +146,7 @@ class WorkerGroup:
         which a stop broadcast would not match (Ctrl-C during a load), so it is killed instead."""
         if self._stepping and all(process.poll() is None for process in self._processes):
             try:
-                broadcast_stop(self.device)
+                broadcast_stop(self.tp)
             except Exception:  # a worker is already gone: the others are killed below
                 log.warning("could not tell the tensor-parallel workers to stop; killing them")
         deadline = time.monotonic() + timeout_s
@@ -148,13 +161,35 @@ class WorkerGroup:
         return [process.pid for process in self._processes]
 
 
-def _release(processes: list[subprocess.Popen[bytes]]) -> None:
-    """Kill the workers still running and leave the group; once per group (a ``weakref.finalize``)."""
+def _release(processes: list[subprocess.Popen[bytes]], unbound: frozenset[int] | None) -> None:
+    """Kill the workers still running, leave the group and give rank 0 back the CPUs it had before; once per
+    group (a ``weakref.finalize``)."""
     for process in processes:
         if process.poll() is None:
             process.kill()
             process.wait()
     leave_group()
+    if unbound is not None:
+        pin_process(unbound)
+
+
+def _placement(size: int, cpu_bind: str) -> list[RankPlacement] | None:
+    """Each CPU rank's CPUs and NUMA nodes, as ``cpu_bind`` allows: ``"off"`` binds nothing; ``"auto"`` splits
+    this process's CPUs unless another engine's workers run on the host (both would take the same CPUs); a CPU
+    list is split as given."""
+    allowed = frozenset(os.sched_getaffinity(0))
+    if cpu_bind == "off" or (cpu_bind == "auto" and count_other_processes(WORKER_MARKER)):
+        return None
+    if cpu_bind != "auto":
+        allowed &= parse_cpu_list(cpu_bind)
+    placement = place_ranks(allowed, size, numa_nodes())
+    if placement is not None:
+        log.info("tensor-parallel ranks bound to CPUs %s", [sorted(rank.cpus) for rank in placement])
+    return placement
+
+
+def _cpu_list(ids: frozenset[int]) -> str:
+    return ",".join(map(str, sorted(ids)))
 
 
 def _check_group_is_free() -> None:

@@ -25,13 +25,20 @@ reason (``VLLM_CPU_OMP_THREADS_BIND``, with CPUs reserved for the frontend).
 
 "Allowed" is the stub's affinity when it first started the engine, so a restarted child
 gets the same split rather than the serving side's share.
+
+Tensor-parallel CPU ranks split the engine's CPUs between them (:func:`place_ranks`):
+a NUMA node each where the host has as many, each rank's new memory preferring its
+node, so that a rank's weights and KV cache sit beside the cores that read them.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import platform
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -135,3 +142,61 @@ def bind_engine(setting: str, allowed: frozenset[int], marker: str, threads: int
         log.info("engine core bound to CPUs %s; serving side: %s", sorted(split.engine),
                  sorted(split.serving) or "unbound")
     return split
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlacement:
+    """One tensor-parallel rank's CPUs, and the NUMA nodes they sit on (empty where the host says nothing)."""
+
+    cpus: frozenset[int]
+    nodes: frozenset[int]
+
+
+def numa_nodes() -> dict[int, frozenset[int]]:
+    """The host's NUMA nodes and their CPUs, from sysfs; empty where it has none to say."""
+    found: dict[int, frozenset[int]] = {}
+    for entry in Path("/sys/devices/system/node").glob("node[0-9]*"):
+        try:
+            text = (entry / "cpulist").read_text().strip()
+        except OSError:
+            continue
+        if text:
+            found[int(entry.name[4:])] = parse_cpu_list(text)
+    return found
+
+
+def place_ranks(allowed: Iterable[int], size: int, nodes: dict[int, frozenset[int]]) -> list[RankPlacement] | None:
+    """Each of ``size`` ranks' CPUs among ``allowed``: whole NUMA nodes per rank where there are at least as many
+    nodes as ranks (a rank's weights, cache and threads then stay on one socket), else an equal share of
+    consecutive CPUs; ``None`` when there are fewer CPUs than ranks."""
+    allowed = frozenset(allowed)
+    if len(allowed) < size:
+        return None
+    populated = [(node, cpus & allowed) for node, cpus in sorted(nodes.items()) if cpus & allowed]
+    if len(populated) >= size:
+        groups = [populated[len(populated) * r // size:len(populated) * (r + 1) // size] for r in range(size)]
+        return [RankPlacement(cpus=frozenset().union(*(cpus for _, cpus in group)),
+                              nodes=frozenset(node for node, _ in group)) for group in groups]
+    ordered = sorted(allowed)
+    shares = [frozenset(ordered[len(ordered) * r // size:len(ordered) * (r + 1) // size]) for r in range(size)]
+    return [RankPlacement(cpus=share, nodes=frozenset(node for node, cpus in populated if cpus & share))
+            for share in shares]
+
+
+_MPOL_PREFERRED = 1
+_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}  # the syscall's number, per architecture
+
+
+def prefer_memory_of(nodes: frozenset[int]) -> None:
+    """Ask the kernel to place this process's new pages on ``nodes``' one node, falling back to others when it is
+    full (``MPOL_PREFERRED``: a full node slows a rank down rather than having it killed). Only on hosts with more
+    than one node; a kernel or architecture that refuses is logged and changes nothing."""
+    number = _SET_MEMPOLICY.get(platform.machine())
+    if len(nodes) != 1 or len(numa_nodes()) < 2 or number is None:
+        return
+    (node,) = nodes
+    mask = (ctypes.c_ulong * (node // 64 + 1))()
+    mask[node // 64] = 1 << (node % 64)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(number, _MPOL_PREFERRED, mask, ctypes.c_ulong(len(mask) * 64 + 1)) != 0:
+        log.warning("could not prefer NUMA node %d's memory: %s", node, os.strerror(ctypes.get_errno()))

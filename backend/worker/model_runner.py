@@ -79,7 +79,7 @@ class ModelRunner:
         lora_loads = self.lora.apply_loads() if self.lora is not None else []
         inputs = self.prepare(step)
         if self.model.tp.size > 1:
-            broadcast_step(inputs, list(step.block_copies), self.device, lora_loads)
+            broadcast_step(inputs, list(step.block_copies), self.model.tp, lora_loads)
         logits = self.run(inputs, step.block_copies)
         if logits is None:
             raise RuntimeError("rank 0 received no logits from the tensor-parallel gather")

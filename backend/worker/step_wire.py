@@ -2,10 +2,10 @@
 
 Rank 0 prepares the step (``InputBatch``) and sends the result, so the other
 ranks keep no scheduler state: they unpack, run the same forward and join its
-collectives. A fixed 16-int header goes first, because a broadcast needs its
-size known on every rank; then the payload: token ids, positions, slots,
-``query_start_loc``, ``seq_lens``, the block table, the sampled rows and the
-step's copy-on-write block pairs. Block ids are the same on every rank, so the
+collectives. One message (``TensorParallel.broadcast_ints``: through the ranks'
+shared memory on one CPU host) holds a fixed 16-int header of sizes, then the
+payload: token ids, positions, slots, ``query_start_loc``, ``seq_lens``, the
+block table, the sampled rows and the step's copy-on-write block pairs. Block ids are the same on every rank, so the
 table is sent as rank 0 holds it. With LoRA, each sequence's adapter slot follows
 (the ranks rebuild the step's grouping from it), and on the steps that fill slots,
 one object broadcast says which adapter went into which slot.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from pagedllm.distributed.group import TensorParallel
 from pagedllm.lora.mapping import build_lora_mapping
 from pagedllm.lora.request import LoRARequest
 from pagedllm.attention.metadata import AttentionMetadata
@@ -25,9 +26,10 @@ LoRALoads = list[tuple[int, LoRARequest]]  # (slot, adapter) filled on rank 0 be
 _STOP, _STEP = 0, 1
 
 
-def broadcast_step(inputs: StepInputs, block_copies: list[tuple[int, int]], device: torch.device,
+def broadcast_step(inputs: StepInputs, block_copies: list[tuple[int, int]], tp: TensorParallel,
                    lora_loads: LoRALoads | None = None) -> None:
     """Rank 0: send one step to every other rank (``lora_loads``: the adapters it put into slots before it)."""
+    device = tp.device
     attn = inputs.attn
     num_tokens, num_seqs = inputs.input_ids.numel(), attn.seq_lens.numel()
     width = attn.block_table.shape[1]
@@ -35,25 +37,27 @@ def broadcast_step(inputs: StepInputs, block_copies: list[tuple[int, int]], devi
     decode_rows = -1 if inputs.decode_rows is None else inputs.decode_rows
     header = [_STEP, num_tokens, num_seqs, width, inputs.logits_indices.numel(), len(block_copies),
               attn.max_query_len, attn.max_seq_len, decode_rows, int(inputs.lora is not None), len(lora_loads or ())]
-    _broadcast(torch.tensor(header + [0] * (HEADER_SIZE - len(header)), dtype=torch.int64, device=device))
-    if lora_loads:
-        dist.broadcast_object_list([lora_loads], src=0)
-    parts = [inputs.input_ids, inputs.positions, attn.slot_mapping, attn.query_start_loc, attn.seq_lens,
-             attn.block_table, inputs.logits_indices, copies]
+    parts = [torch.tensor(header + [0] * (HEADER_SIZE - len(header)), dtype=torch.int64), inputs.input_ids,
+             inputs.positions, attn.slot_mapping, attn.query_start_loc, attn.seq_lens, attn.block_table,
+             inputs.logits_indices, copies]
     if inputs.lora is not None:
         parts.append(torch.from_numpy(inputs.lora.seq_slots))
-    _broadcast(torch.cat([part.reshape(-1).to(device=device, dtype=torch.int64) for part in parts]))
+    tp.broadcast_ints(torch.cat([part.reshape(-1).to(device=device, dtype=torch.int64) for part in parts]))
+    if lora_loads:
+        dist.broadcast_object_list([lora_loads], src=0)
 
 
-def broadcast_stop(device: torch.device) -> None:
+def broadcast_stop(tp: TensorParallel) -> None:
     """Rank 0: tell every other rank to leave its step loop."""
-    _broadcast(torch.zeros(HEADER_SIZE, dtype=torch.int64, device=device))
+    tp.broadcast_ints(torch.zeros(HEADER_SIZE, dtype=torch.int64, device=tp.device))
 
 
-def receive_step(device: torch.device) -> tuple[StepInputs, list[tuple[int, int]], LoRALoads] | None:
-    """Another rank: the next step's inputs, block copies and LoRA slot loads, or ``None`` when rank 0 says stop."""
-    header = torch.empty(HEADER_SIZE, dtype=torch.int64, device=device)
-    _broadcast(header)
+def receive_step(tp: TensorParallel) -> tuple[StepInputs, list[tuple[int, int]], LoRALoads] | None:
+    """Another rank: the next step's inputs, block copies and LoRA slot loads, or ``None`` when rank 0 says stop
+    (waiting for it as long as the engine stays idle)."""
+    device = tp.device
+    message = tp.broadcast_ints(None, patient=True)
+    header, payload = message[:HEADER_SIZE], message[HEADER_SIZE:]
     (command, num_tokens, num_seqs, width, num_sampled, num_copies, max_query, max_seq, decode_rows, has_lora,
      num_loads) = header[:11].tolist()
     if command == _STOP:
@@ -63,8 +67,8 @@ def receive_step(device: torch.device) -> tuple[StepInputs, list[tuple[int, int]
         dist.broadcast_object_list(lora_loads, src=0)
     sizes = [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * width, num_sampled,
              2 * num_copies, num_seqs if has_lora else 0]
-    payload = torch.empty(sum(sizes), dtype=torch.int64, device=device)
-    _broadcast(payload)
+    if payload.numel() != sum(sizes):
+        raise RuntimeError(f"rank {tp.rank} received a step of {payload.numel()} ints; its header says {sum(sizes)}")
     ids, positions, slots, starts, seq_lens, table, sampled, copies, seq_slots = payload.split(sizes)
     attn = AttentionMetadata(
         query_start_loc=starts.to(torch.int32),
@@ -81,7 +85,3 @@ def receive_step(device: torch.device) -> tuple[StepInputs, list[tuple[int, int]
     inputs = StepInputs(ids, positions, attn, sampled, None if decode_rows < 0 else decode_rows, lora)
     pairs = copies.reshape(-1, 2).tolist()
     return inputs, [(src, dst) for src, dst in pairs], lora_loads[0]
-
-
-def _broadcast(tensor: torch.Tensor) -> None:
-    dist.broadcast(tensor, src=0)
