@@ -17,6 +17,7 @@ from pagedllm.attention.backends import torch_backend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.cpu_attention_plan import plan_cpu_attention
 from pagedllm.attention.native_decode import load_native_decode
+from pagedllm.testing.paged_batch import PagedBatch
 
 from test_cpu_attention import CASES, head_major, make_batch, metadata_of
 
@@ -99,6 +100,40 @@ def test_it_matches_the_reference_on_long_scattered_contexts(routine: native_dec
     torch.testing.assert_close(actual, unified_attention_ref(*batch.args()), atol=1e-5, rtol=0)
     # A step of decodes only is read in place: no layer gathers a block.
     assert not [key for key in backend.attend.__self__._buffers if key[0] in ("k", "v")]
+
+
+def test_bf16_decodes_are_read_in_place_and_weighted_as_torch_bf16_attention_does(
+        routine: native_decode.NativeDecode) -> None:
+    seq_lens = (1, 16, 17, 700, 333, 64)
+    case = replace(CASES["decode-gqa4-d64-b16"], query_lens=(1,) * len(seq_lens), seq_lens=seq_lens,
+                   dtype=torch.bfloat16)
+    batch = make_batch(case, seed=9)
+    batch = replace(batch, k_cache=head_major(batch.k_cache), v_cache=head_major(batch.v_cache))
+    backend = torch_backend()
+    actual = backend.attend(batch.q, batch.k_cache, batch.v_cache, backend.plan(metadata_of(batch)), batch.scale)
+    assert actual.dtype == torch.bfloat16
+    # Sums in float32 in another order than the reference's float64 can move a result by one bf16 step.
+    torch.testing.assert_close(actual.float(), _bf16_flash_reference(batch), rtol=2**-7, atol=1e-6)
+    assert not [key for key in backend.attend.__self__._buffers if key[0] in ("k", "v")]
+
+
+def _bf16_flash_reference(batch: PagedBatch) -> torch.Tensor:
+    """Decode attention as torch's bf16 flash attention rounds it, in float64: the softmax weights exp(s - max)
+    rounded to bf16 before they weigh V, normalized by their unrounded sum after, the output rounded to bf16."""
+    num_kv_heads, head_dim = batch.k_cache.shape[2:]
+    block_size = batch.k_cache.shape[1]
+    out = torch.empty(batch.q.shape, dtype=torch.float64)
+    for seq, length in enumerate(batch.seq_lens.tolist()):
+        slots = [int(batch.block_table[seq, t // block_size]) * block_size + t % block_size for t in range(length)]
+        keys = batch.k_cache.reshape(-1, num_kv_heads, head_dim)[slots].double()
+        values = batch.v_cache.reshape(-1, num_kv_heads, head_dim)[slots].double()
+        q = batch.q[int(batch.query_start_loc[seq])].double().view(num_kv_heads, -1, head_dim)
+        scores = torch.einsum("hgd,thd->hgt", q, keys) * batch.scale
+        weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+        rounded = weights.float().to(torch.bfloat16).double()
+        attended = torch.einsum("hgt,thd->hgd", rounded, values) / weights.sum(-1, keepdim=True)
+        out[int(batch.query_start_loc[seq])] = attended.reshape(-1, head_dim)
+    return out.to(torch.bfloat16).float()
 
 
 @pytest.mark.parametrize("bad", ["block id past the cache", "negative block id", "context past the row"])

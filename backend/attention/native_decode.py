@@ -31,8 +31,8 @@ SWITCH_ENV = "PAGEDLLM_NATIVE_ATTENTION"  # "0": never build or load it
 
 
 class NativeDecode:
-    """``pagedllm_paged_decode_f32``, ``pagedllm_paged_decode_fp8`` and ``pagedllm_write_kv_f32`` with their
-    argument types; see ``paged_decode.c`` for the contracts."""
+    """``pagedllm_paged_decode_f32``, ``_fp8`` and ``_bf16`` and ``pagedllm_write_kv_f32`` with their argument
+    types; see ``paged_decode.c`` for the contracts."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         pointer, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -45,6 +45,9 @@ class NativeDecode:
         self._function_fp8.argtypes = [pointer, pointer, pointer, ctypes.c_int, ctypes.c_float, ctypes.c_float, pointer,
                                        pointer, i64, pointer, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
                                        ctypes.c_int, pointer, pointer]
+        self._function_bf16 = library.pagedllm_paged_decode_bf16
+        self._function_bf16.restype = ctypes.c_int
+        self._function_bf16.argtypes = self._function.argtypes
         self._write = library.pagedllm_write_kv_f32
         self._write.restype = i64
         self._write.argtypes = [pointer, pointer, i64, pointer, i64, i64, i64, i64, pointer, pointer]
@@ -86,7 +89,7 @@ class NativeDecode:
     def __call__(
         self,
         q: torch.Tensor,  # float32 contiguous [num_tokens, num_heads, head_dim]
-        k_cache: torch.Tensor,  # float32 or 8-bit, contiguous head-major [kv_heads, num_blocks, block_size, head_dim]
+        k_cache: torch.Tensor,  # float32, 8-bit or bf16, contiguous head-major [kv_heads, num_blocks, block_size, head_dim]
         v_cache: torch.Tensor,
         decodes: NativeDecodes,
         scale: float,
@@ -106,6 +109,8 @@ class NativeDecode:
         if k_cache.dtype in FP8_DTYPES:
             failed = self._function_fp8(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                         FP8_DTYPES.index(k_cache.dtype), k_scale, v_scale, *layout)
+        elif k_cache.dtype == torch.bfloat16:
+            failed = self._function_bf16(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *layout)
         else:
             failed = self._function(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *layout)
         if failed:
