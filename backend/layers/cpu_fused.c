@@ -80,3 +80,60 @@ void pagedllm_silu_mul_f32(const float* gate_up, float* out, int64_t rows, int64
         }
     }
 }
+
+/* The rotary and SiLU-and-multiply on bf16 tensors, rounding to bf16 wherever torch's bf16 ops round
+ * (after every add and product), so that outputs equal transformers' bf16 arithmetic bit for bit: each
+ * op computes in float32 and rounds once, to nearest even. A bf16 RMSNorm is left to torch: its float32
+ * sum of squares, summed in another order, moved 1 in 10^4 outputs by one bf16 step, and that flipped
+ * greedy tokens of the embedded default model (RESULTS, issue 42). */
+static inline float bf16_to_float(uint16_t b) {
+    const uint32_t bits = (uint32_t)b << 16;
+    float value;
+    __builtin_memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+static inline uint16_t float_to_bf16(float x) {
+    uint32_t bits;
+    __builtin_memcpy(&bits, &x, sizeof bits);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16); /* round to nearest even; no NaNs here */
+}
+
+static inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
+
+void pagedllm_rotary_bf16(uint16_t* x, int64_t row_stride, const uint16_t* cos, const uint16_t* sin, int64_t rows,
+                          int64_t heads, int64_t head_dim, int threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(threads) if (rows * heads * head_dim >= PARALLEL_MIN) schedule(static)
+    for (int64_t row = 0; row < rows; ++row) {
+        const uint16_t* c = cos + row * head_dim;
+        const uint16_t* s = sin + row * head_dim;
+        for (int64_t head = 0; head < heads; ++head) {
+            uint16_t* first = x + row * row_stride + head * head_dim;
+            uint16_t* second = first + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; ++i) {
+                const float x1 = bf16_to_float(first[i]), x2 = bf16_to_float(second[i]);
+                first[i] = float_to_bf16(round_bf16(x1 * bf16_to_float(c[i])) + round_bf16(-x2 * bf16_to_float(s[i])));
+                second[i] = float_to_bf16(round_bf16(x2 * bf16_to_float(c[half + i]))
+                                          + round_bf16(x1 * bf16_to_float(s[half + i])));
+            }
+        }
+    }
+}
+
+void pagedllm_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t width, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * width >= PARALLEL_MIN) schedule(static)
+    for (int64_t row = 0; row < rows; ++row) {
+        const uint16_t* gate = gate_up + row * 2 * width;
+        const uint16_t* up = gate + width;
+        uint16_t* o = out + row * width;
+#pragma omp simd
+        for (int64_t i = 0; i < width; ++i) {
+            const float g = bf16_to_float(gate[i]);
+            const float e = exp_nonpositive(g < 0.0f ? g : -g);
+            const float sigmoid = g < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e);
+            o[i] = float_to_bf16(round_bf16(g * sigmoid) * bf16_to_float(up[i]));
+        }
+    }
+}

@@ -22,7 +22,8 @@ _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, scaled in the input dtype.
 
-    With ``fused`` (float32 on a CPU), [tokens, size] inputs take one compiled call instead of six ops.
+    With ``fused`` (a CPU model's compiled ops), float32 [tokens, size] inputs take one compiled call instead
+    of six ops; other dtypes keep torch's (see ``cpu_fused.c`` for why bf16 does).
     """
 
     def __init__(self, size: int, eps: float, fused: CpuFusedOps | None = None) -> None:
@@ -36,13 +37,13 @@ class RMSNorm(nn.Module):
 
         The fused path adds into ``residual`` in place and returns it.
         """
-        if self.fused is not None:
+        if self.fused is not None and x.dtype == torch.float32:
             return self.fused.rms_norm(x, residual, self.weight, self.eps), residual
         residual = residual + x
         return self(residual), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None:
+        if self.fused is not None and x.dtype == torch.float32:
             return self.fused.rms_norm(x, None, self.weight, self.eps)
         input_dtype = x.dtype
         x = x.to(torch.float32)
