@@ -14,6 +14,7 @@ import torch
 from pagedllm.kernels import unified_attention_ref
 from pagedllm.attention import native_decode
 from pagedllm.attention.backends import torch_backend
+from pagedllm.attention.cpu_attention import CpuPagedAttention, new_cpu_cache, write_kv_cpu
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.cpu_attention_plan import plan_cpu_attention
 from pagedllm.attention.native_decode import load_native_decode
@@ -168,13 +169,34 @@ def test_a_slot_past_the_cache_is_refused_before_anything_past_it_is_written(rou
     (torch.ones(3, 2, 16), torch.tensor([0, 1, 2])),  # head_dim 16 against a cache of 8
     (torch.ones(3, 4, 8), torch.tensor([0, 1, 2])),  # 4 KV heads against 2
     (torch.ones(3, 2, 8), torch.tensor([0, 1, 2, 3])),  # more slots than rows
-], ids=["head-dim", "heads", "slots"])
+    (torch.ones(3, 2, 8, dtype=torch.bfloat16), torch.tensor([0, 1, 2])),  # bf16 rows into a float32 cache
+], ids=["head-dim", "heads", "slots", "dtype"])
 def test_rows_that_do_not_match_the_cache_are_refused(routine: native_decode.NativeDecode, rows: torch.Tensor,
                                                        slots: torch.Tensor) -> None:
     cache = torch.zeros(2, 3, 16, 8)
     with pytest.raises(ValueError, match="do not match caches"):
         routine.write_kv(rows, rows, cache, cache.clone(), slots)
     assert cache.eq(0).all()
+
+
+def test_bf16_rows_are_copied_into_bf16_caches_as_the_torch_write_does(routine: native_decode.NativeDecode,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """From a fused q|k|v output (rows strided past their heads), a padded token skipped."""
+    written = []
+    monkeypatch.setattr(routine, "write_kv", lambda *args: written.append(native_decode.NativeDecode.write_kv(
+        routine, *args)))
+    generator = torch.Generator().manual_seed(3)
+    kv_heads, head_dim, num_blocks, block_size = 2, 64, 6, 16
+    qkv = torch.randn(5, (4 + 2 * kv_heads) * head_dim, generator=generator).bfloat16()
+    key = qkv[:, 4 * head_dim : (4 + kv_heads) * head_dim].view(5, kv_heads, head_dim)
+    value = qkv[:, (4 + kv_heads) * head_dim :].view(5, kv_heads, head_dim)
+    slots = torch.tensor([3, 17, -1, 95, 40])
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    caches = [new_cpu_cache(shape, torch.bfloat16, torch.device("cpu")) for _ in range(4)]
+    CpuPagedAttention(routine).write_kv(key, value, caches[0], caches[1], slots)
+    write_kv_cpu(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert written and caches[0].view(-1, kv_heads, head_dim)[95].equal(key[3])
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")

@@ -148,6 +148,16 @@ def _rows_fit(key: torch.Tensor, value: torch.Tensor) -> bool:
             and key.stride()[1:] == value.stride()[1:] == (head_dim, 1))
 
 
+def _bf16_rows_fit(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """bf16 rows as :func:`_rows_fit` lays them out, for head-major bf16 caches on the CPU: the compiled write
+    copies them."""
+    head_dim = key.shape[2]
+    return (key.device.type == "cpu" and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+            and key.shape == value.shape and key.stride(0) == value.stride(0)
+            and key.stride()[1:] == value.stride()[1:] == (head_dim, 1)
+            and _is_head_major(k_cache) and _is_head_major(v_cache))
+
+
 class CpuPagedAttention:
     """Runs a planned step's attention; owns the gather and scratch buffers reused across layers and steps.
 
@@ -167,9 +177,10 @@ class CpuPagedAttention:
                  slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None) -> None:
         """:func:`write_kv_cpu`'s contract and shapes; float32 rows go through the compiled routine (quantized
-        there for an 8-bit cache), which copies each row once from where it lies (e.g. a fused qkv output)
+        there for an 8-bit cache), and so do bf16 rows into bf16 caches, which copies each row once from where it lies (e.g. a fused qkv output)
         instead of two ``index_copy_`` passes."""
-        if self._native is not None and _native_fits(key, k_cache, v_cache) and _rows_fit(key, value):
+        if self._native is not None and ((_native_fits(key, k_cache, v_cache) and _rows_fit(key, value))
+                                         or _bf16_rows_fit(key, value, k_cache, v_cache)):
             self._native.write_kv(key, value, _head_major(k_cache), _head_major(v_cache), slot_mapping,
                                   _scale_value(k_scale), _scale_value(v_scale))
         else:

@@ -353,6 +353,24 @@ int64_t pagedllm_write_kv_f32(const float* key, const float* value, int64_t row_
     return num_tokens;
 }
 
+/* pagedllm_write_kv_f32 for bf16 rows into bf16 caches (their bits as uint16): a copy. */
+int64_t pagedllm_write_kv_bf16(const uint16_t* key, const uint16_t* value, int64_t row_stride, const int64_t* slots,
+                               int64_t num_tokens, int64_t kv_heads, int64_t head_dim, int64_t num_slots,
+                               uint16_t* k_cache, uint16_t* v_cache) {
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        if (slot >= num_slots) return t;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            __builtin_memcpy(k_cache + (h * num_slots + slot) * head_dim, key + t * row_stride + h * head_dim,
+                             sizeof(uint16_t) * (size_t)head_dim);
+            __builtin_memcpy(v_cache + (h * num_slots + slot) * head_dim, value + t * row_stride + h * head_dim,
+                             sizeof(uint16_t) * (size_t)head_dim);
+        }
+    }
+    return num_tokens;
+}
+
 /* x / scale in an 8-bit format (0: e4m3fn, 1: e5m2), as torch's cast does it: saturated at the format's
  * largest value, rounded to nearest, ties to even. A normal value rounds its float32 mantissa on the
  * integer bits (a carry moves the exponent); a subnormal one is a whole number of the smallest step. */
