@@ -79,22 +79,28 @@ def test_silu_and_mul_matches_torch_including_large_and_tiny_gates(ops: CpuFused
 
 
 def test_bf16_steps_round_where_torchs_bf16_ops_round(ops: CpuFusedOps) -> None:
-    """What transformers computes in a bf16 model: the rotary and SiLU-and-multiply bit for bit; a bf16
-    RMSNorm given the fused ops keeps torch's arithmetic (its residual add included)."""
+    """What transformers computes in a bf16 model, bit for bit: RMSNorm (its residual add and its float32
+    sum of squares in torch's order, over widths that take every branch of that order), the rotary and
+    SiLU-and-multiply."""
     if torch.bfloat16 not in native_cpu_dtypes():
         pytest.skip("this CPU does not compute bf16 natively: bf16 models keep torch's ops")
+    assert torch.bfloat16 in ops.norm_dtypes  # this torch's summation order is reproduced
     generator = torch.Generator().manual_seed(0)
+    rows = 37
+    for width in (100, 896, 2048, 5000):
+        x = (torch.randn(rows, width, generator=generator) * 3).bfloat16()
+        residual = (torch.randn(rows, width, generator=generator) * 50).bfloat16()
+        weight = (1 + 0.1 * torch.randn(width, generator=generator)).bfloat16()
+        norm = RMSNorm(width, 1e-6)
+        norm.weight.data = weight
+        expected_stream = residual + x
+        expected = norm(expected_stream)
+        fused = RMSNorm(width, 1e-6, ops)
+        fused.weight.data = weight
+        got, stream = fused.add_and_norm(x, residual)
+        assert stream is residual  # the compiled path ran: it adds in place
+        assert torch.equal(got, expected) and torch.equal(stream, expected_stream), f"width {width}"
     rows, width = 37, 896
-    x = (torch.randn(rows, width, generator=generator) * 3).bfloat16()
-    residual = (torch.randn(rows, width, generator=generator) * 50).bfloat16()
-    weight = (1 + 0.1 * torch.randn(width, generator=generator)).bfloat16()
-    norm = RMSNorm(width, 1e-6)
-    norm.weight.data = weight
-    expected = norm(residual + x)
-    fused = RMSNorm(width, 1e-6, ops)
-    fused.weight.data = weight
-    got, stream = fused.add_and_norm(x, residual)
-    assert torch.equal(got, expected) and torch.equal(stream, residual + x)
 
     gate_up = (torch.randn(rows, 2 * 300, generator=generator) * 4).bfloat16()
     gate, up = gate_up.split(300, dim=-1)
@@ -116,8 +122,10 @@ def test_it_refuses_tensors_it_would_misread(ops: CpuFusedOps) -> None:
     with pytest.raises(ValueError, match="expected a dense torch.float32 or torch.bfloat16 CPU tensor, got "
                                          "torch.float16"):
         ops.silu_mul(torch.zeros(2, 8, dtype=torch.float16))
-    with pytest.raises(ValueError, match="expected a dense torch.float32 CPU tensor, got torch.bfloat16"):
-        ops.rms_norm(torch.zeros(2, 8, dtype=torch.bfloat16), None, torch.ones(8, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="expected a dense torch.bfloat16 CPU tensor, got torch.float32"):
+        ops.rms_norm(torch.zeros(2, 8, dtype=torch.bfloat16), None, torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="expected float32 or bf16 rows, got torch.float16"):
+        ops.rms_norm(torch.zeros(2, 8, dtype=torch.float16), None, torch.ones(8, dtype=torch.float16), 1e-6)
     with pytest.raises(ValueError, match="expected a dense torch.float32 or torch.bfloat16 CPU tensor"):
         ops.rotate_(torch.zeros(8, 4).T, torch.zeros(4, 2), torch.zeros(4, 2), 1, 2)
 
