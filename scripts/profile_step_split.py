@@ -25,8 +25,10 @@ from torch import nn
 from pagedllm import LLM, SamplingParams
 from pagedllm_bench.models import bench_model
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.models import cpu_fused_ops, cpu_linear, layers, llama
-from pagedllm.worker import cpu_attention, sampler
+from pagedllm.attention import cpu_attention
+from pagedllm.layers import cpu_fused_ops, cpu_linear, norm_rotary
+from pagedllm.models import llama
+from pagedllm.worker import sampler
 
 PARTS = ("linears", "attention", "norms+rotary+silu", "LM head", "sampler", "forward, rest", "host")
 _totals: dict[str, float] = defaultdict(float)
@@ -58,10 +60,11 @@ def install() -> None:
     _patch(llama.CausalLM, "compute_logits", "LM head")
     _patch(nn.Linear, "forward", "linears")
     _patch(cpu_linear.PackedLinear, "forward", "linears")
+    _patch(cpu_linear.OneDnnLinear, "forward", "linears")  # its own forward: the bias inside the GEMM
     _patch(cpu_attention.CpuPagedAttention, "attend", "attention")
     _patch(cpu_attention.CpuPagedAttention, "write_kv", "attention")
-    _patch(layers.RMSNorm, "forward", "norms+rotary+silu")
-    _patch(layers.RMSNorm, "add_and_norm", "norms+rotary+silu")
+    _patch(norm_rotary.RMSNorm, "forward", "norms+rotary+silu")
+    _patch(norm_rotary.RMSNorm, "add_and_norm", "norms+rotary+silu")
     _patch(llama, "apply_rotary", "norms+rotary+silu")
     _patch(cpu_fused_ops.CpuFusedOps, "rotate_", "norms+rotary+silu")
     _patch(cpu_fused_ops.CpuFusedOps, "silu_mul", "norms+rotary+silu")

@@ -46,6 +46,8 @@ CASES = {
     "mixed-gqa4-d80-b32": Case((5, 1, 18, 1), (12, 50, 30, 3), 4, 1, 80, 32),
     "mixed-gqa1-d64-b16": Case((1, 9, 1), (26, 20, 130), 4, 4, 64, 16),
     "mixed-gqa4-d64-b16-bf16": Case((1, 7, 1), (30, 15, 90), 8, 2, 64, 16, torch.bfloat16),
+    # bf16 decodes only: the compiled routine reads a head-major bf16 cache in place
+    "decode-gqa7-d64-b16-bf16": Case((1, 1, 1), (30, 16, 90), 14, 2, 64, 16, torch.bfloat16),
 }
 
 

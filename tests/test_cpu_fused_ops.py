@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers import cpu_fused_ops as fused_module
+from pagedllm.platform.cpu_dtypes import native_cpu_dtypes
 from pagedllm.layers.cpu_fused_ops import CpuFusedOps, cpu_fused_ops
 from pagedllm.layers.norm_rotary import RMSNorm, apply_rotary
 from pagedllm.platform.native_build import CACHE_ENV
@@ -77,10 +78,55 @@ def test_silu_and_mul_matches_torch_including_large_and_tiny_gates(ops: CpuFused
     torch.testing.assert_close(ops.silu_mul(gate_up), (F.silu(gate) * up)[None], atol=1e-6, rtol=2e-6)
 
 
+def test_bf16_steps_round_where_torchs_bf16_ops_round(ops: CpuFusedOps) -> None:
+    """What transformers computes in a bf16 model, bit for bit: RMSNorm (its residual add and its float32
+    sum of squares in torch's order, over widths that take every branch of that order), the rotary and
+    SiLU-and-multiply."""
+    if torch.bfloat16 not in native_cpu_dtypes():
+        pytest.skip("this CPU does not compute bf16 natively: bf16 models keep torch's ops")
+    assert torch.bfloat16 in ops.norm_dtypes  # this torch's summation order is reproduced
+    generator = torch.Generator().manual_seed(0)
+    rows = 37
+    for width in (100, 896, 2048, 5000):
+        x = (torch.randn(rows, width, generator=generator) * 3).bfloat16()
+        residual = (torch.randn(rows, width, generator=generator) * 50).bfloat16()
+        weight = (1 + 0.1 * torch.randn(width, generator=generator)).bfloat16()
+        norm = RMSNorm(width, 1e-6)
+        norm.weight.data = weight
+        expected_stream = residual + x
+        expected = norm(expected_stream)
+        fused = RMSNorm(width, 1e-6, ops)
+        fused.weight.data = weight
+        got, stream = fused.add_and_norm(x, residual)
+        assert stream is residual  # the compiled path ran: it adds in place
+        assert torch.equal(got, expected) and torch.equal(stream, expected_stream), f"width {width}"
+    rows, width = 37, 896
+
+    gate_up = (torch.randn(rows, 2 * 300, generator=generator) * 4).bfloat16()
+    gate, up = gate_up.split(300, dim=-1)
+    assert torch.equal(ops.silu_mul(gate_up), F.silu(gate) * up)
+
+    heads, head_dim = 6, 64
+    qkv = (torch.randn(rows, (heads + 2) * head_dim, generator=generator) * 5).bfloat16()
+    angles = torch.randn(rows, head_dim // 2, generator=generator) * 3
+    cos, sin = torch.cat([angles, angles], -1).cos().bfloat16(), torch.cat([angles, angles], -1).sin().bfloat16()
+    rotated = qkv.clone()
+    ops.rotate_(rotated, cos, sin, heads, head_dim)
+    q = qkv[:, : heads * head_dim].reshape(rows, heads, head_dim)
+    assert torch.equal(rotated[:, : heads * head_dim].reshape(rows, heads, head_dim),
+                       apply_rotary(q, cos[:, None], sin[:, None]))
+    assert torch.equal(rotated[:, heads * head_dim :], qkv[:, heads * head_dim :])
+
+
 def test_it_refuses_tensors_it_would_misread(ops: CpuFusedOps) -> None:
-    with pytest.raises(ValueError, match="expected a dense float32 CPU tensor, got torch.bfloat16"):
-        ops.silu_mul(torch.zeros(2, 8, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="expected a dense float32 CPU tensor"):
+    with pytest.raises(ValueError, match="expected a dense torch.float32 or torch.bfloat16 CPU tensor, got "
+                                         "torch.float16"):
+        ops.silu_mul(torch.zeros(2, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="expected a dense torch.bfloat16 CPU tensor, got torch.float32"):
+        ops.rms_norm(torch.zeros(2, 8, dtype=torch.bfloat16), None, torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="expected float32 or bf16 rows, got torch.float16"):
+        ops.rms_norm(torch.zeros(2, 8, dtype=torch.float16), None, torch.ones(8, dtype=torch.float16), 1e-6)
+    with pytest.raises(ValueError, match="expected a dense torch.float32 or torch.bfloat16 CPU tensor"):
         ops.rotate_(torch.zeros(8, 4).T, torch.zeros(4, 2), torch.zeros(4, 2), 1, 2)
 
 
@@ -122,6 +168,7 @@ def test_without_a_compiler_torch_ops_run_and_the_log_says_why(
     assert "plain torch ops" in caplog.text
 
 
-def test_only_float32_on_a_cpu_gets_them() -> None:
-    assert cpu_fused_ops(torch.bfloat16, CPU) is None
+def test_float32_and_native_bf16_on_a_cpu_get_them() -> None:
+    assert (cpu_fused_ops(torch.bfloat16, CPU) is not None) == (torch.bfloat16 in native_cpu_dtypes())
+    assert cpu_fused_ops(torch.float16, CPU) is None
     assert cpu_fused_ops(torch.float32, torch.device("cuda")) is None

@@ -14,9 +14,11 @@ import torch
 from pagedllm.kernels import unified_attention_ref
 from pagedllm.attention import native_decode
 from pagedllm.attention.backends import torch_backend
+from pagedllm.attention.cpu_attention import CpuPagedAttention, new_cpu_cache, write_kv_cpu
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.cpu_attention_plan import plan_cpu_attention
 from pagedllm.attention.native_decode import load_native_decode
+from pagedllm.testing.paged_batch import PagedBatch
 
 from test_cpu_attention import CASES, head_major, make_batch, metadata_of
 
@@ -101,6 +103,40 @@ def test_it_matches_the_reference_on_long_scattered_contexts(routine: native_dec
     assert not [key for key in backend.attend.__self__._buffers if key[0] in ("k", "v")]
 
 
+def test_bf16_decodes_are_read_in_place_and_weighted_as_torch_bf16_attention_does(
+        routine: native_decode.NativeDecode) -> None:
+    seq_lens = (1, 16, 17, 700, 333, 64)
+    case = replace(CASES["decode-gqa4-d64-b16"], query_lens=(1,) * len(seq_lens), seq_lens=seq_lens,
+                   dtype=torch.bfloat16)
+    batch = make_batch(case, seed=9)
+    batch = replace(batch, k_cache=head_major(batch.k_cache), v_cache=head_major(batch.v_cache))
+    backend = torch_backend()
+    actual = backend.attend(batch.q, batch.k_cache, batch.v_cache, backend.plan(metadata_of(batch)), batch.scale)
+    assert actual.dtype == torch.bfloat16
+    # Sums in float32 in another order than the reference's float64 can move a result by one bf16 step.
+    torch.testing.assert_close(actual.float(), _bf16_flash_reference(batch), rtol=2**-7, atol=1e-6)
+    assert not [key for key in backend.attend.__self__._buffers if key[0] in ("k", "v")]
+
+
+def _bf16_flash_reference(batch: PagedBatch) -> torch.Tensor:
+    """Decode attention as torch's bf16 flash attention rounds it, in float64: the softmax weights exp(s - max)
+    rounded to bf16 before they weigh V, normalized by their unrounded sum after, the output rounded to bf16."""
+    num_kv_heads, head_dim = batch.k_cache.shape[2:]
+    block_size = batch.k_cache.shape[1]
+    out = torch.empty(batch.q.shape, dtype=torch.float64)
+    for seq, length in enumerate(batch.seq_lens.tolist()):
+        slots = [int(batch.block_table[seq, t // block_size]) * block_size + t % block_size for t in range(length)]
+        keys = batch.k_cache.reshape(-1, num_kv_heads, head_dim)[slots].double()
+        values = batch.v_cache.reshape(-1, num_kv_heads, head_dim)[slots].double()
+        q = batch.q[int(batch.query_start_loc[seq])].double().view(num_kv_heads, -1, head_dim)
+        scores = torch.einsum("hgd,thd->hgt", q, keys) * batch.scale
+        weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+        rounded = weights.float().to(torch.bfloat16).double()
+        attended = torch.einsum("hgt,thd->hgd", rounded, values) / weights.sum(-1, keepdim=True)
+        out[int(batch.query_start_loc[seq])] = attended.reshape(-1, head_dim)
+    return out.to(torch.bfloat16).float()
+
+
 @pytest.mark.parametrize("bad", ["block id past the cache", "negative block id", "context past the row"])
 def test_a_table_it_would_read_outside_the_cache_with_is_refused(routine: native_decode.NativeDecode,
                                                                  bad: str) -> None:
@@ -133,13 +169,34 @@ def test_a_slot_past_the_cache_is_refused_before_anything_past_it_is_written(rou
     (torch.ones(3, 2, 16), torch.tensor([0, 1, 2])),  # head_dim 16 against a cache of 8
     (torch.ones(3, 4, 8), torch.tensor([0, 1, 2])),  # 4 KV heads against 2
     (torch.ones(3, 2, 8), torch.tensor([0, 1, 2, 3])),  # more slots than rows
-], ids=["head-dim", "heads", "slots"])
+    (torch.ones(3, 2, 8, dtype=torch.bfloat16), torch.tensor([0, 1, 2])),  # bf16 rows into a float32 cache
+], ids=["head-dim", "heads", "slots", "dtype"])
 def test_rows_that_do_not_match_the_cache_are_refused(routine: native_decode.NativeDecode, rows: torch.Tensor,
                                                        slots: torch.Tensor) -> None:
     cache = torch.zeros(2, 3, 16, 8)
     with pytest.raises(ValueError, match="do not match caches"):
         routine.write_kv(rows, rows, cache, cache.clone(), slots)
     assert cache.eq(0).all()
+
+
+def test_bf16_rows_are_copied_into_bf16_caches_as_the_torch_write_does(routine: native_decode.NativeDecode,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """From a fused q|k|v output (rows strided past their heads), a padded token skipped."""
+    written = []
+    monkeypatch.setattr(routine, "write_kv", lambda *args: written.append(native_decode.NativeDecode.write_kv(
+        routine, *args)))
+    generator = torch.Generator().manual_seed(3)
+    kv_heads, head_dim, num_blocks, block_size = 2, 64, 6, 16
+    qkv = torch.randn(5, (4 + 2 * kv_heads) * head_dim, generator=generator).bfloat16()
+    key = qkv[:, 4 * head_dim : (4 + kv_heads) * head_dim].view(5, kv_heads, head_dim)
+    value = qkv[:, (4 + kv_heads) * head_dim :].view(5, kv_heads, head_dim)
+    slots = torch.tensor([3, 17, -1, 95, 40])
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    caches = [new_cpu_cache(shape, torch.bfloat16, torch.device("cpu")) for _ in range(4)]
+    CpuPagedAttention(routine).write_kv(key, value, caches[0], caches[1], slots)
+    write_kv_cpu(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert written and caches[0].view(-1, kv_heads, head_dim)[95].equal(key[3])
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")

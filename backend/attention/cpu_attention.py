@@ -25,6 +25,12 @@ at a time, which wins over gather + mask + SDPA for small chunks; bigger chunks 
 on SDPA, whose matrix products win there. Without a C compiler every decode and prefill
 runs the torch path below, which stays tested on its own.
 
+bf16 decode steps go to the same compiled routine: float32 queries (exact), the bf16 blocks widened
+as they are read, float32 sums, and the softmax weights rounded to bf16 before they weigh V, as
+torch's bf16 SDPA rounds them (bf16 greedy tokens are judged against transformers' bf16 forward,
+which runs that SDPA: tests/test_bf16_accuracy.py). Steps that mix bf16 prefills and decodes stay on
+the torch path.
+
 8-bit (fp8) caches are read without a full-precision copy of the cache: the compiled routine
 dequantizes one block at a time as it reads it, and the torch path dequantizes the blocks it
 gathered for the step, into a reused buffer.
@@ -91,6 +97,14 @@ def _native_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
             and k_cache.dtype in (torch.float32, *FP8_DTYPES) and _is_head_major(k_cache) and _is_head_major(v_cache))
 
 
+def _bf16_decodes_fit(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      metadata: AttentionMetadata) -> bool:
+    """A bf16 step of decodes only, over head-major bf16 caches: the compiled decode routine reads them."""
+    return (q.device.type == "cpu" and metadata.max_query_len == 1
+            and q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+            and _is_head_major(k_cache) and _is_head_major(v_cache))
+
+
 def _scale_value(scale: torch.Tensor | None) -> float:
     return 1.0 if scale is None else float(scale)
 
@@ -134,11 +148,21 @@ def _rows_fit(key: torch.Tensor, value: torch.Tensor) -> bool:
             and key.stride()[1:] == value.stride()[1:] == (head_dim, 1))
 
 
+def _bf16_rows_fit(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """bf16 rows as :func:`_rows_fit` lays them out, for head-major bf16 caches on the CPU: the compiled write
+    copies them."""
+    head_dim = key.shape[2]
+    return (key.device.type == "cpu" and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+            and key.shape == value.shape and key.stride(0) == value.stride(0)
+            and key.stride()[1:] == value.stride()[1:] == (head_dim, 1)
+            and _is_head_major(k_cache) and _is_head_major(v_cache))
+
+
 class CpuPagedAttention:
     """Runs a planned step's attention; owns the gather and scratch buffers reused across layers and steps.
 
-    With ``native`` (:func:`pagedllm.attention.native_decode.load_native_decode`), float32 decodes
-    run in the compiled routine, which reads their blocks in place; with ``native_prefill``
+    With ``native`` (:func:`pagedllm.attention.native_decode.load_native_decode`), float32 decodes, and bf16
+    steps of decodes only, run in the compiled routine, which reads their blocks in place; with ``native_prefill``
     (:func:`pagedllm.attention.native_prefill.load_native_prefill`), so do the float32 prefill
     chunks the plan's crossover rule gives it. Everything else, and everything when both
     are ``None``, runs in torch.
@@ -153,9 +177,10 @@ class CpuPagedAttention:
                  slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None) -> None:
         """:func:`write_kv_cpu`'s contract and shapes; float32 rows go through the compiled routine (quantized
-        there for an 8-bit cache), which copies each row once from where it lies (e.g. a fused qkv output)
+        there for an 8-bit cache), and so do bf16 rows into bf16 caches, which copies each row once from where it lies (e.g. a fused qkv output)
         instead of two ``index_copy_`` passes."""
-        if self._native is not None and _native_fits(key, k_cache, v_cache) and _rows_fit(key, value):
+        if self._native is not None and ((_native_fits(key, k_cache, v_cache) and _rows_fit(key, value))
+                                         or _bf16_rows_fit(key, value, k_cache, v_cache)):
             self._native.write_kv(key, value, _head_major(k_cache), _head_major(v_cache), slot_mapping,
                                   _scale_value(k_scale), _scale_value(v_scale))
         else:
@@ -178,6 +203,8 @@ class CpuPagedAttention:
                              "step and pass its result to every layer")
         num_tokens, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
+        if self._native is not None and _bf16_decodes_fit(q, k_cache, v_cache, metadata):
+            return self._attend_bf16_decodes(self._native, q, k_cache, v_cache, plan, scale)
         fits = _native_fits(q, k_cache, v_cache)
         native = self._native if fits else None
         native_prefill = self._native_prefill if fits and head_dim % 16 == 0 else None
@@ -223,6 +250,18 @@ class CpuPagedAttention:
                                                       is_causal=chunk.mask is None, enable_gqa=group > 1)
             out[chunk.start : chunk.start + chunk.query_len] = attended[0].transpose(0, 1)
         return out
+
+    def _attend_bf16_decodes(self, native: NativeDecode, q: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, plan: CpuAttentionPlan, scale: float) -> torch.Tensor:
+        """A bf16 decode step in the compiled routine: float32 queries (exact), the bf16 blocks read in place and
+        widened as they are read, sums in float32, the output rounded to bf16 once, as torch's bf16 SDPA does."""
+        num_tokens, num_heads, _ = q.shape
+        layout = plan.layout(k_cache.shape[1], torch.float32, True)
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        lse = self._reused(("lse", torch.float32, q.device, ()), num_tokens * num_heads).view(num_tokens, num_heads)
+        if layout.native_decodes is not None:  # None only for a step without tokens
+            native(q.float(), _head_major(k_cache), _head_major(v_cache), layout.native_decodes, scale, out, lse)
+        return out.to(torch.bfloat16)
 
     @staticmethod
     def _decode(

@@ -1,4 +1,5 @@
-/* 8-bit (fp8 e4m3fn / e5m2) KV blocks read as float32, for the compiled attention routines. */
+/* KV blocks stored narrower than float32 read as float32, for the compiled attention routines: 8-bit
+ * (fp8 e4m3fn / e5m2, both routines) and bfloat16 (the decode routine). */
 #ifndef PAGEDLLM_FP8_DEQUANT_H
 #define PAGEDLLM_FP8_DEQUANT_H
 
@@ -8,8 +9,8 @@
 #include <immintrin.h>
 #endif
 
-/* An 8-bit cache: one KV head's blocks, its format and its scale. */
-enum { FP8_E4M3FN = 0, FP8_E5M2 = 1 };
+/* A narrow cache: one KV head's blocks, its format and its scale (bf16: two bytes an element, no scale). */
+enum { FP8_E4M3FN = 0, FP8_E5M2 = 1, KV_BF16 = 2 };
 typedef struct {
     const uint8_t* head;
     int format;
@@ -37,8 +38,38 @@ static inline uint32_t fp8_to_float_bits(uint32_t b, int format) {
     return (normal & is_normal) | ((sign | subnormal) & ~is_normal);
 }
 
+/* Bytes an element of a cache of this format takes. */
+static inline int64_t kv_element_bytes(int format) { return format == KV_BF16 ? 2 : 1; }
+
+/* n bf16 values as float32, exactly: a bf16 is the upper half of a float32. */
+static inline const float* widen_bf16_block(const uint16_t* restrict block, int64_t n, float* restrict scratch) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) {
+        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(block + i)));
+        _mm512_storeu_ps(scratch + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+    }
+#endif
+    for (; i < n; ++i) {
+        const uint32_t bits = (uint32_t)block[i] << 16;
+        __builtin_memcpy(scratch + i, &bits, sizeof bits);
+    }
+    return scratch;
+}
+
+/* x rounded to the nearest bfloat16 (ties to even), kept as a float32; x finite. */
+static inline float round_to_bf16(float x) {
+    uint32_t bits;
+    __builtin_memcpy(&bits, &x, sizeof bits);
+    bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    __builtin_memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+/* n elements of a narrow block (a cache of fp8.format) as float32 in scratch. */
 static inline const float* dequantize_block(const uint8_t* restrict block, int64_t n, fp8_head fp8,
                                             float* restrict scratch) {
+    if (fp8.format == KV_BF16) return widen_bf16_block((const uint16_t*)block, n, scratch);
     int64_t i = 0;
 #ifdef __AVX512F__
     const int e4m3 = fp8.format == FP8_E4M3FN;

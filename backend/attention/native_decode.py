@@ -31,8 +31,8 @@ SWITCH_ENV = "PAGEDLLM_NATIVE_ATTENTION"  # "0": never build or load it
 
 
 class NativeDecode:
-    """``pagedllm_paged_decode_f32``, ``pagedllm_paged_decode_fp8`` and ``pagedllm_write_kv_f32`` with their
-    argument types; see ``paged_decode.c`` for the contracts."""
+    """``pagedllm_paged_decode_f32``, ``_fp8`` and ``_bf16`` and ``pagedllm_write_kv_f32`` with their argument
+    types; see ``paged_decode.c`` for the contracts."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         pointer, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -45,9 +45,15 @@ class NativeDecode:
         self._function_fp8.argtypes = [pointer, pointer, pointer, ctypes.c_int, ctypes.c_float, ctypes.c_float, pointer,
                                        pointer, i64, pointer, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
                                        ctypes.c_int, pointer, pointer]
+        self._function_bf16 = library.pagedllm_paged_decode_bf16
+        self._function_bf16.restype = ctypes.c_int
+        self._function_bf16.argtypes = self._function.argtypes
         self._write = library.pagedllm_write_kv_f32
         self._write.restype = i64
         self._write.argtypes = [pointer, pointer, i64, pointer, i64, i64, i64, i64, pointer, pointer]
+        self._write_bf16 = library.pagedllm_write_kv_bf16
+        self._write_bf16.restype = i64
+        self._write_bf16.argtypes = self._write.argtypes
         self._write_fp8 = library.pagedllm_write_kv_fp8
         self._write_fp8.restype = i64
         self._write_fp8.argtypes = [pointer, pointer, i64, pointer, i64, i64, i64, i64, ctypes.c_int, ctypes.c_float,
@@ -55,9 +61,11 @@ class NativeDecode:
 
     def write_kv(
         self,
-        key: torch.Tensor,  # float32 [num_tokens, kv_heads, head_dim], heads dense within a row
-        value: torch.Tensor,  # the same shape and row stride as key
-        k_cache: torch.Tensor,  # float32 or 8-bit, contiguous head-major [kv_heads, num_blocks, block_size, head_dim]
+        key: torch.Tensor,  # float32 or bf16 [num_tokens, kv_heads, head_dim], heads dense within a row
+        value: torch.Tensor,  # the same shape, dtype and row stride as key
+        # float32 or 8-bit for float32 rows, bf16 for bf16 rows; contiguous head-major [kv_heads, num_blocks,
+        # block_size, head_dim]
+        k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [num_tokens]; negative = padded token, skipped
         k_scale: float = 1.0,  # an 8-bit cache's scales: it stores key / k_scale, saturated
@@ -66,6 +74,7 @@ class NativeDecode:
         kv_heads, num_blocks, block_size, head_dim = k_cache.shape
         # C trusts these sizes: a mismatch would read past the rows or write past the cache.
         if (key.shape[1:] != (kv_heads, head_dim) or value.shape != key.shape or value.stride() != key.stride()
+                or value.dtype != key.dtype or (key.dtype == torch.bfloat16) != (k_cache.dtype == torch.bfloat16)
                 or key.stride(2) != 1 or (kv_heads > 1 and key.stride(1) != head_dim) or v_cache.shape != k_cache.shape
                 or slot_mapping.shape != (key.shape[0],)):
             raise ValueError(f"write_kv: key {tuple(key.shape)} / value {tuple(value.shape)} with strides "
@@ -78,6 +87,8 @@ class NativeDecode:
         if k_cache.dtype in FP8_DTYPES:
             written = self._write_fp8(*rows, FP8_DTYPES.index(k_cache.dtype), k_scale, v_scale, k_cache.data_ptr(),
                                       v_cache.data_ptr())
+        elif k_cache.dtype == torch.bfloat16:
+            written = self._write_bf16(*rows, k_cache.data_ptr(), v_cache.data_ptr())
         else:
             written = self._write(*rows, k_cache.data_ptr(), v_cache.data_ptr())
         if written != len(slots):
@@ -86,7 +97,7 @@ class NativeDecode:
     def __call__(
         self,
         q: torch.Tensor,  # float32 contiguous [num_tokens, num_heads, head_dim]
-        k_cache: torch.Tensor,  # float32 or 8-bit, contiguous head-major [kv_heads, num_blocks, block_size, head_dim]
+        k_cache: torch.Tensor,  # float32, 8-bit or bf16, contiguous head-major [kv_heads, num_blocks, block_size, head_dim]
         v_cache: torch.Tensor,
         decodes: NativeDecodes,
         scale: float,
@@ -106,6 +117,8 @@ class NativeDecode:
         if k_cache.dtype in FP8_DTYPES:
             failed = self._function_fp8(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                         FP8_DTYPES.index(k_cache.dtype), k_scale, v_scale, *layout)
+        elif k_cache.dtype == torch.bfloat16:
+            failed = self._function_bf16(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *layout)
         else:
             failed = self._function(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *layout)
         if failed:

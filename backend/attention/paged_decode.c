@@ -8,7 +8,10 @@
  *
  * float32 queries; the caches are float32, or 8-bit (fp8 e4m3fn or e5m2) dequantized one block at a time
  * (times the layer's scale) into a float scratch block, so that no full-precision copy of a context is
- * ever made. -ffast-math is avoided on purpose: on gcc < 13 it links crtfastmath.o, which
+ * ever made, or bfloat16 widened the same way (exactly). Sums are float32 throughout. Over a bf16 cache
+ * the softmax weights are rounded to bf16 before they weigh V, and normalized after, as torch's
+ * bf16 flash attention does (the forward the bf16 model is judged by): exp(s - max) in float32,
+ * summed unrounded, rounded to bf16 for the product with V, the output times 1/sum at the end. -ffast-math is avoided on purpose: on gcc < 13 it links crtfastmath.o, which
  * flips the whole process to flush-to-zero when the library is loaded. Its exp is therefore
  * spelled out (exp_nonpositive.h), so that the compiler can vectorize it without libmvec.
  */
@@ -126,19 +129,25 @@ static inline int rows16(int64_t head_dim) {
  * code's choices"). */
 #define PREFETCH_DISTANCE 2
 
-static inline void prefetch_rows(const float* block, int64_t row, int64_t head_dim) {
+static inline void prefetch_rows(const char* block, int64_t row, int64_t row_bytes) {
     if (!block) return;
-    const char* start = (const char*)(block + row * head_dim);
-    for (int64_t offset = 0; offset < head_dim * (int64_t)sizeof(float); offset += 64)
-        __builtin_prefetch(start + offset, 0, 2);
+    const char* start = block + row * row_bytes;
+    for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(start + offset, 0, 2);
 }
 
 /* The blocks a pass starts with, which the in-pass prefetch never covers. */
-static inline void prefetch_first_blocks(const float* head, const int64_t* blocks, int64_t len, int64_t block_size,
-                                         int64_t head_dim) {
+static inline void prefetch_first_blocks(const char* head, const int64_t* blocks, int64_t len, int64_t block_size,
+                                         int64_t row_bytes) {
+    if (!head) return;
     for (int64_t j = 0; j < PREFETCH_DISTANCE && j * block_size < len; ++j)
         for (int64_t row = 0; row < block_size; ++row)
-            prefetch_rows(head + blocks[j] * block_size * head_dim, row, head_dim);
+            prefetch_rows(head + blocks[j] * block_size * row_bytes, row, row_bytes);
+}
+
+/* Where a KV head's blocks start, as bytes to prefetch: a float32 or bf16 cache's; NULL for an 8-bit one. */
+static inline const char* prefetched_head(const float* head, fp8_head narrow) {
+    if (!narrow.head) return (const char*)head;
+    return narrow.format == KV_BF16 ? (const char*)narrow.head : NULL;
 }
 
 /* Block j's rows: in place for a float32 cache, dequantized into scratch for an 8-bit one (k8.head set). */
@@ -146,14 +155,17 @@ static inline __attribute__((always_inline)) const float* block_rows(const float
                                                                      const int64_t* blocks, int64_t j, int64_t rows,
                                                                      int64_t block_numel, int64_t head_dim,
                                                                      float* scratch) {
-    if (k8.head) return dequantize_block(k8.head + blocks[j] * block_numel, rows * head_dim, k8, scratch);
+    if (k8.head)
+        return dequantize_block(k8.head + blocks[j] * block_numel * kv_element_bytes(k8.format), rows * head_dim, k8,
+                                scratch);
     return head + blocks[j] * block_numel;
 }
 
 /* One sequence, one KV head: out[g] = softmax(scale * q[g] K^T) V and lse[g] its log-sum-exp.
  * Inlined into each call site so that a constant head_dim unrolls the row loops, and a float32 cache
  * (k8.head and v8.head NULL) loses the 8-bit branches. An 8-bit cache is not prefetched: its blocks
- * are a quarter of the size, and the dequantizing pass reads them in order. */
+ * are a quarter of the size, and the dequantizing pass reads them in order. A bf16 cache is, as a
+ * float32 one is. */
 static inline __attribute__((always_inline)) void attend_head(const float* q, int64_t group, int64_t head_dim, const float* k_head, const float* v_head,
                         const int64_t* blocks, int64_t len, int64_t block_size, float scale,
                         float* out, float* lse, float* scores /* [group, len] */,
@@ -161,26 +173,32 @@ static inline __attribute__((always_inline)) void attend_head(const float* q, in
     const int64_t block_numel = block_size * head_dim;
     const int64_t ahead = PREFETCH_DISTANCE * block_size;
     const int chunked = rows16(head_dim);
+    const int bf16_weights = v8.head && v8.format == KV_BF16;
+    const char *k_prefetch = prefetched_head(k_head, k8), *v_prefetch = prefetched_head(v_head, v8);
+    const int64_t k_row_bytes = head_dim * (k8.head ? kv_element_bytes(k8.format) : (int64_t)sizeof(float));
+    const int64_t v_row_bytes = head_dim * (v8.head ? kv_element_bytes(v8.format) : (int64_t)sizeof(float));
     (void)chunked;
-    if (!k8.head) prefetch_first_blocks(k_head, blocks, len, block_size, head_dim);
+    prefetch_first_blocks(k_prefetch, blocks, len, block_size, k_row_bytes);
     for (int64_t start = 0, j = 0; start < len; start += block_size, ++j) {
         const int64_t rows = len - start < block_size ? len - start : block_size;
         const float* keys = block_rows(k_head, k8, blocks, j, rows, block_numel, head_dim, scratch);
-        const float* next = !k8.head && start + ahead < len ? k_head + blocks[j + PREFETCH_DISTANCE] * block_numel : NULL;
+        const char* next = k_prefetch && start + ahead < len
+                               ? k_prefetch + blocks[j + PREFETCH_DISTANCE] * block_size * k_row_bytes : NULL;
         int64_t t = 0;
 #ifdef PAGEDLLM_ROWS16
         for (; chunked && t + ROWS16 <= rows; t += ROWS16) {
-            for (int r = 0; r < ROWS16; ++r) prefetch_rows(next, t + r, head_dim);
+            for (int r = 0; r < ROWS16; ++r) prefetch_rows(next, t + r, k_row_bytes);
             scores16(q, group, head_dim, keys + t * head_dim, scale, scores + start + t, len);
         }
 #endif
         for (; t < rows; ++t) {
-            prefetch_rows(next, t, head_dim);
+            prefetch_rows(next, t, k_row_bytes);
             for (int64_t g = 0; g < group; ++g)
                 scores[g * len + start + t] = dot(q + g * head_dim, keys + t * head_dim, head_dim) * scale;
         }
     }
-    if (!v8.head) prefetch_first_blocks(v_head, blocks, len, block_size, head_dim);
+    prefetch_first_blocks(v_prefetch, blocks, len, block_size, v_row_bytes);
+    float inverses[group];
     for (int64_t g = 0; g < group; ++g) {
         float* s = scores + g * len;
         float max = -FLT_MAX;
@@ -193,33 +211,45 @@ static inline __attribute__((always_inline)) void attend_head(const float* q, in
             sum += s[t];
         }
         const float inverse = 1.0f / sum;
+        if (bf16_weights) {
 #pragma omp simd
-        for (int64_t t = 0; t < len; ++t) s[t] *= inverse;
+            for (int64_t t = 0; t < len; ++t) s[t] = round_to_bf16(s[t]);
+        } else {
+#pragma omp simd
+            for (int64_t t = 0; t < len; ++t) s[t] *= inverse;
+        }
+        inverses[g] = inverse;
         lse[g] = max + logf(sum);
         for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = 0.0f;
     }
     for (int64_t start = 0, j = 0; start < len; start += block_size, ++j) {
         const int64_t rows = len - start < block_size ? len - start : block_size;
         const float* values = block_rows(v_head, v8, blocks, j, rows, block_numel, head_dim, scratch);
-        const float* next = !v8.head && start + ahead < len ? v_head + blocks[j + PREFETCH_DISTANCE] * block_numel : NULL;
+        const char* next = v_prefetch && start + ahead < len
+                               ? v_prefetch + blocks[j + PREFETCH_DISTANCE] * block_size * v_row_bytes : NULL;
         int64_t t = 0;
 #ifdef PAGEDLLM_ROWS16
         for (; chunked && t + ROWS16 <= rows; t += ROWS16) {
-            for (int r = 0; r < ROWS16; ++r) prefetch_rows(next, t + r, head_dim);
+            for (int r = 0; r < ROWS16; ++r) prefetch_rows(next, t + r, v_row_bytes);
             values16(scores + start + t, group, head_dim, values + t * head_dim, out, len);
         }
 #endif
         for (; t < rows; ++t) {
-            prefetch_rows(next, t, head_dim);
+            prefetch_rows(next, t, v_row_bytes);
             for (int64_t g = 0; g < group; ++g)
                 add_scaled(out + g * head_dim, scores[g * len + start + t], values + t * head_dim, head_dim);
         }
     }
+    if (bf16_weights)
+        for (int64_t g = 0; g < group; ++g) {
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] *= inverses[g];
+        }
 }
 
 /* q, out: [tokens, kv_heads * group, head_dim]; lse: [tokens, kv_heads * group].
  * Sequence i's query is token rows[i]; it attends to the first lens[i] cache slots its block-table row lists.
- * A float32 cache passes k_cache/v_cache and NULL k8/v8; an 8-bit one passes k8/v8 and the byte tables.
+ * A float32 cache passes k_cache/v_cache and NULL k8/v8; an 8-bit or bf16 one passes k8/v8 as bytes and its format.
  * Returns 0, or 1 when the scratch buffer could not be allocated (out and lse are then undefined). */
 static int paged_decode(const float* q, const float* k_cache, const float* v_cache, const uint8_t* k8,
                         const uint8_t* v8, int format, float k_scale, float v_scale, const int64_t* rows,
@@ -245,8 +275,9 @@ static int paged_decode(const float* q, const float* k_cache, const float* v_cac
             const int64_t offset = rows[seq] * heads + head * group;
             const float* q_head = q + offset * head_dim;
             const float *k_head = k8 ? NULL : k_cache + head * head_numel, *v_head = v8 ? NULL : v_cache + head * head_numel;
-            const fp8_head k_bytes = {k8 ? k8 + head * head_numel : NULL, format, k_scale};
-            const fp8_head v_bytes = {v8 ? v8 + head * head_numel : NULL, format, v_scale};
+            const int64_t head_bytes = head_numel * kv_element_bytes(format);
+            const fp8_head k_bytes = {k8 ? k8 + head * head_bytes : NULL, format, k_scale};
+            const fp8_head v_bytes = {v8 ? v8 + head * head_bytes : NULL, format, v_scale};
             const int64_t* blocks = block_table + seq * table_width;
             float *out_head = out + offset * head_dim, *lse_head = lse + offset;
             if (head_dim == 64)
@@ -286,6 +317,16 @@ int pagedllm_paged_decode_fp8(const float* q, const uint8_t* k_cache, const uint
                         out, lse);
 }
 
+/* pagedllm_paged_decode_f32 over bfloat16 caches (their bits as uint16), widened a block at a time. */
+int pagedllm_paged_decode_bf16(const float* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* rows,
+                               const int64_t* block_table, int64_t table_width, const int64_t* lens, int64_t num_seqs,
+                               int64_t kv_heads, int64_t group, int64_t head_dim, int64_t num_blocks,
+                               int64_t block_size, float scale, int64_t max_len, int threads, float* out, float* lse) {
+    return paged_decode(q, NULL, NULL, (const uint8_t*)k_cache, (const uint8_t*)v_cache, KV_BF16, 1.0f, 1.0f, rows,
+                        block_table, table_width, lens, num_seqs, kv_heads, group, head_dim, num_blocks, block_size,
+                        scale, max_len, threads, out, lse);
+}
+
 /* The cache's write side: token t's key and value rows (kv_heads x head_dim, rows row_stride floats
  * apart, as in a fused qkv output) go to slot slots[t] of every head of the head-major caches;
  * a negative slot is a padded token and is skipped. Returns how many tokens were handled: num_tokens,
@@ -307,6 +348,24 @@ int64_t pagedllm_write_kv_f32(const float* key, const float* value, int64_t row_
                 k_row[d] = k_new[d];
                 v_row[d] = v_new[d];
             }
+        }
+    }
+    return num_tokens;
+}
+
+/* pagedllm_write_kv_f32 for bf16 rows into bf16 caches (their bits as uint16): a copy. */
+int64_t pagedllm_write_kv_bf16(const uint16_t* key, const uint16_t* value, int64_t row_stride, const int64_t* slots,
+                               int64_t num_tokens, int64_t kv_heads, int64_t head_dim, int64_t num_slots,
+                               uint16_t* k_cache, uint16_t* v_cache) {
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        if (slot >= num_slots) return t;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            __builtin_memcpy(k_cache + (h * num_slots + slot) * head_dim, key + t * row_stride + h * head_dim,
+                             sizeof(uint16_t) * (size_t)head_dim);
+            __builtin_memcpy(v_cache + (h * num_slots + slot) * head_dim, value + t * row_stride + h * head_dim,
+                             sizeof(uint16_t) * (size_t)head_dim);
         }
     }
     return num_tokens;

@@ -80,3 +80,129 @@ void pagedllm_silu_mul_f32(const float* gate_up, float* out, int64_t rows, int64
         }
     }
 }
+
+/* RMSNorm, the rotary and SiLU-and-multiply on bf16 tensors, rounding to bf16 wherever torch's bf16 ops
+ * round (after every add and product), so that outputs equal transformers' bf16 arithmetic bit for bit:
+ * each op computes in float32 and rounds once, to nearest even. The norm's float32 sum of squares must
+ * also be added in torch's order (sum_of_squares_as_torch below): summed in another order it moved 1 in
+ * 10^4 outputs by one bf16 step, and that flipped greedy tokens of the embedded default model. */
+static inline float bf16_to_float(uint16_t b) {
+    const uint32_t bits = (uint32_t)b << 16;
+    float value;
+    __builtin_memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+static inline uint16_t float_to_bf16(float x) {
+    uint32_t bits;
+    __builtin_memcpy(&bits, &x, sizeof bits);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16); /* round to nearest even; no NaNs here */
+}
+
+static inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
+
+void pagedllm_rotary_bf16(uint16_t* x, int64_t row_stride, const uint16_t* cos, const uint16_t* sin, int64_t rows,
+                          int64_t heads, int64_t head_dim, int threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(threads) if (rows * heads * head_dim >= PARALLEL_MIN) schedule(static)
+    for (int64_t row = 0; row < rows; ++row) {
+        const uint16_t* c = cos + row * head_dim;
+        const uint16_t* s = sin + row * head_dim;
+        for (int64_t head = 0; head < heads; ++head) {
+            uint16_t* first = x + row * row_stride + head * head_dim;
+            uint16_t* second = first + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; ++i) {
+                const float x1 = bf16_to_float(first[i]), x2 = bf16_to_float(second[i]);
+                first[i] = float_to_bf16(round_bf16(x1 * bf16_to_float(c[i])) + round_bf16(-x2 * bf16_to_float(s[i])));
+                second[i] = float_to_bf16(round_bf16(x2 * bf16_to_float(c[half + i]))
+                                          + round_bf16(x1 * bf16_to_float(s[half + i])));
+            }
+        }
+    }
+}
+
+void pagedllm_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t width, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * width >= PARALLEL_MIN) schedule(static)
+    for (int64_t row = 0; row < rows; ++row) {
+        const uint16_t* gate = gate_up + row * 2 * width;
+        const uint16_t* up = gate + width;
+        uint16_t* o = out + row * width;
+#pragma omp simd
+        for (int64_t i = 0; i < width; ++i) {
+            const float g = bf16_to_float(gate[i]);
+            const float e = exp_nonpositive(g < 0.0f ? g : -g);
+            const float sigmoid = g < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e);
+            o[i] = float_to_bf16(round_bf16(g * sigmoid) * bf16_to_float(up[i]));
+        }
+    }
+}
+
+/* torch's CPU sum of a contiguous float32 row, reproduced addition for addition (ATen's cascade sum,
+ * SumKernel.cpp, as this torch runs it on x86: 8-lane vectors, four interleaved vector accumulators,
+ * carried up levels of 16, the scalar tail first, then the lanes in order), over the squares of bf16
+ * values. The Python side checks it against torch once before using it (cpu_fused_ops.py). */
+#define SUM_LANES 8
+
+static inline float square_of(const uint16_t* h, int64_t i) {
+    const float value = bf16_to_float(h[i]);
+    return value * value;
+}
+
+static float sum_of_squares_as_torch(const uint16_t* h, int64_t n) {
+    const int64_t vectors = n / SUM_LANES, quads = vectors / 4;
+    const int64_t ceil_log2 = quads <= 2 ? 1 : 64 - __builtin_clzll((uint64_t)(quads - 1));
+    const int64_t power = ceil_log2 / 4 > 4 ? ceil_log2 / 4 : 4, step = (int64_t)1 << power, mask = step - 1;
+    float acc[4][4][SUM_LANES] = {{{0.0f}}}; /* [level][accumulator][lane] */
+    int64_t i = 0;
+    while (i + step <= quads) {
+        for (int64_t j = 0; j < step; ++j, ++i)
+            for (int k = 0; k < 4; ++k)
+                for (int lane = 0; lane < SUM_LANES; ++lane) acc[0][k][lane] += square_of(h, (4 * i + k) * SUM_LANES + lane);
+        for (int level = 1; level < 4; ++level) {
+            for (int k = 0; k < 4; ++k)
+                for (int lane = 0; lane < SUM_LANES; ++lane) {
+                    acc[level][k][lane] += acc[level - 1][k][lane];
+                    acc[level - 1][k][lane] = 0.0f;
+                }
+            if (i & (mask << (level * power))) break;
+        }
+    }
+    for (; i < quads; ++i)
+        for (int k = 0; k < 4; ++k)
+            for (int lane = 0; lane < SUM_LANES; ++lane) acc[0][k][lane] += square_of(h, (4 * i + k) * SUM_LANES + lane);
+    for (int level = 1; level < 4; ++level)
+        for (int k = 0; k < 4; ++k)
+            for (int lane = 0; lane < SUM_LANES; ++lane) acc[0][k][lane] += acc[level][k][lane];
+    for (int64_t v = quads * 4; v < vectors; ++v)
+        for (int lane = 0; lane < SUM_LANES; ++lane) acc[0][0][lane] += square_of(h, v * SUM_LANES + lane);
+    for (int k = 1; k < 4; ++k)
+        for (int lane = 0; lane < SUM_LANES; ++lane) acc[0][0][lane] += acc[0][k][lane];
+    float total = 0.0f;
+    for (int64_t t = vectors * SUM_LANES; t < n; ++t) total += square_of(h, t);
+    for (int lane = 0; lane < SUM_LANES; ++lane) total += acc[0][0][lane];
+    return total;
+}
+
+/* RMSNorm as transformers computes it in a bf16 model: h = bf16(residual + x) written back to the residual
+ * (or h = x without one), then in float32 variance = sum(h^2) / width and h * 1/sqrt(variance + eps),
+ * rounded to bf16, times the bf16 weight, rounded again. Every array is dense, [rows, width]. */
+void pagedllm_rms_norm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* weight, uint16_t* out,
+                            int64_t rows, int64_t width, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * width >= PARALLEL_MIN) schedule(static)
+    for (int64_t row = 0; row < rows; ++row) {
+        const uint16_t* h = x + row * width;
+        if (residual) {
+            uint16_t* skip = residual + row * width;
+#pragma omp simd
+            for (int64_t i = 0; i < width; ++i) skip[i] = float_to_bf16(bf16_to_float(skip[i]) + bf16_to_float(h[i]));
+            h = skip;
+        }
+        const float variance = sum_of_squares_as_torch(h, width) / (float)width;
+        const float inverse = 1.0f / sqrtf(variance + eps);
+        uint16_t* o = out + row * width;
+#pragma omp simd
+        for (int64_t i = 0; i < width; ++i)
+            o[i] = float_to_bf16(bf16_to_float(weight[i]) * round_bf16(bf16_to_float(h[i]) * inverse));
+    }
+}

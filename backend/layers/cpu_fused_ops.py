@@ -1,4 +1,4 @@
-"""The fused float32 elementwise steps of a layer on the CPU (``cpu_fused.c``), loaded with ctypes.
+"""The fused elementwise steps of a layer on the CPU (``cpu_fused.c``), float32 or bf16, loaded with ctypes.
 
 RMSNorm (with the residual add before it), the rotary embedding of q and k,
 and SiLU-and-multiply are 3-8 torch ops each: a dispatch and a pass over memory
@@ -7,6 +7,12 @@ steps (custom ops and torch.compile). Each is one call here, which also
 releases the GIL. The library is built like the decode routine
 (:mod:`pagedllm.platform.native_build`); without a compiler, or with
 ``PAGEDLLM_NATIVE_OPS=0``, the model keeps its plain-torch ops.
+
+bf16 models (on a CPU that computes bf16, :mod:`pagedllm.platform.cpu_dtypes`) get all three on bf16
+tensors, rounding where torch's bf16 ops round, so their outputs are torch's bit for bit. The
+norm's sum of squares reproduces torch's own summation order (see ``cpu_fused.c``); that order is
+torch's implementation, not its contract, so the library checks it against torch once, on load,
+and a torch that sums otherwise keeps its own bf16 norm.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.platform.cpu_dtypes import native_cpu_dtypes
 from pagedllm.platform.native_build import load_library
 
 logger = logging.getLogger(__name__)
@@ -25,33 +32,72 @@ SOURCE = Path(__file__).with_name("cpu_fused.c")
 SWITCH_ENV = "PAGEDLLM_NATIVE_OPS"  # "0": never build or load it
 
 
+_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
 class CpuFusedOps:
-    """The library's three routines, for dense float32 CPU tensors; see ``cpu_fused.c`` for the arithmetic."""
+    """The library's routines, for dense CPU tensors (every argument of one call in one dtype): RMSNorm, the
+    rotary and SiLU-and-multiply in float32 or bf16; see ``cpu_fused.c`` for the arithmetic."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         pointer, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        self._rms_norm = library.pagedllm_rms_norm_f32
-        self._rms_norm.argtypes = [pointer, pointer, pointer, pointer, i64, i64, f32, i32]
-        self._rotary = library.pagedllm_rotary_f32
-        self._rotary.argtypes = [pointer, i64, pointer, pointer, i64, i64, i64, i32]
-        self._silu_mul = library.pagedllm_silu_mul_f32
-        self._silu_mul.argtypes = [pointer, pointer, i64, i64, i32]
-        for routine in (self._rms_norm, self._rotary, self._silu_mul):
-            routine.restype = None
+        self._rms_norm, self._rotary, self._silu_mul = {}, {}, {}
+        for dtype, suffix in _SUFFIXES.items():
+            self._rms_norm[dtype] = library[f"pagedllm_rms_norm_{suffix}"]
+            self._rms_norm[dtype].argtypes = [pointer, pointer, pointer, pointer, i64, i64, f32, i32]
+            self._rms_norm[dtype].restype = None
+            self._rotary[dtype] = library[f"pagedllm_rotary_{suffix}"]
+            self._rotary[dtype].argtypes = [pointer, i64, pointer, pointer, i64, i64, i64, i32]
+            self._silu_mul[dtype] = library[f"pagedllm_silu_mul_{suffix}"]
+            self._silu_mul[dtype].argtypes = [pointer, pointer, i64, i64, i32]
+            for routine in (self._rotary[dtype], self._silu_mul[dtype]):
+                routine.restype = None
+        self.norm_dtypes = frozenset({torch.float32} | ({torch.bfloat16} if self._bf16_norm_is_torchs() else set()))
 
     def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
-        """RMSNorm of ``x`` [rows, width]; with ``residual``, of ``residual += x`` (updated in place)."""
+        """RMSNorm of ``x`` [rows, width]; with ``residual``, of ``residual += x`` (updated in place). x, residual
+        and weight in one of :attr:`norm_dtypes`."""
         rows, width = x.shape
         # The C side trusts these sizes; a mismatch would read or write past a buffer.
         if weight.numel() != width or (residual is not None and residual.shape != x.shape):
             raise ValueError(f"rms_norm: x {tuple(x.shape)} needs a weight of {width} and a residual of the same "
                              f"shape, got {tuple(weight.shape)} and "
                              f"{None if residual is None else tuple(residual.shape)}")
-        x = _dense(x.contiguous())  # held here: the pointer must outlive the call
-        out = torch.empty(rows, width, dtype=torch.float32)
-        self._rms_norm(x.data_ptr(), None if residual is None else _dense(residual).data_ptr(),
-                       _dense(weight).data_ptr(), out.data_ptr(), rows, width, eps, torch.get_num_threads())
+        if x.dtype not in self._rms_norm:
+            raise ValueError(f"rms_norm: expected float32 or bf16 rows, got {x.dtype}")
+        dtype = x.dtype
+        x = _dense(x.contiguous(), dtype)  # held here: the pointer must outlive the call
+        out = torch.empty(rows, width, dtype=dtype)
+        self._rms_norm[dtype](x.data_ptr(), None if residual is None else _dense(residual, dtype).data_ptr(),
+                              _dense(weight, dtype).data_ptr(), out.data_ptr(), rows, width, eps,
+                              torch.get_num_threads())
+        return out
+
+    def _bf16_norm_is_torchs(self) -> bool:
+        """Whether the compiled bf16 RMSNorm gives torch's bf16 RMSNorm bit for bit here: rows of widths that
+        take every branch of the summation order (short, a tail, levels carried), after a residual add."""
+        with torch.device("cpu"):  # the loader may call this while building the model on "meta"
+            return self._bf16_norm_probe_passes()
+
+    def _bf16_norm_probe_passes(self) -> bool:
+        generator = torch.Generator().manual_seed(0)
+        for width in (8, 100, 896, 5000):
+            x = (torch.randn(4, width, generator=generator) * 4).bfloat16()
+            residual = (torch.randn(4, width, generator=generator) * 30).bfloat16()
+            weight = (1 + torch.randn(width, generator=generator) / 10).bfloat16()
+            h = (residual + x).float()
+            expected = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+            stream = residual.clone()
+            if not torch.equal(self._rms_norm_bf16(x, stream, weight), expected):
+                logger.info("this torch sums rows in another order: bf16 RMSNorm keeps torch's ops")
+                return False
+        return True
+
+    def _rms_norm_bf16(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        self._rms_norm[torch.bfloat16](x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                       x.shape[0], x.shape[1], 1e-6, 1)
         return out
 
     def rotate_(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
@@ -62,23 +108,26 @@ class CpuFusedOps:
         if cos.numel() != rows * head_dim or sin.numel() != rows * head_dim:
             raise ValueError(f"rotary: cos/sin need {rows} x {head_dim} values (the whole head rotates), "
                              f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
-        cos, sin = _dense(cos.contiguous()), _dense(sin.contiguous())  # held: the pointers must outlive the call
-        self._rotary(_dense(qkv).data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), rows, heads,
-                     head_dim, torch.get_num_threads())
+        dtype = _dense(qkv).dtype
+        # held: the pointers must outlive the call
+        cos, sin = _dense(cos.contiguous(), dtype), _dense(sin.contiguous(), dtype)
+        self._rotary[dtype](qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), rows, heads,
+                            head_dim, torch.get_num_threads())
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for dense rows of ``[gate | up]``."""
         if gate_up.dim() != 2 or gate_up.shape[1] % 2:
             raise ValueError(f"silu_mul: expected rows of [gate | up] (even width), got {tuple(gate_up.shape)}")
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty(rows, width, dtype=torch.float32)
-        self._silu_mul(_dense(gate_up).data_ptr(), out.data_ptr(), rows, width, torch.get_num_threads())
+        out = torch.empty(rows, width, dtype=_dense(gate_up).dtype)
+        self._silu_mul[out.dtype](gate_up.data_ptr(), out.data_ptr(), rows, width, torch.get_num_threads())
         return out
 
 
 def cpu_fused_ops(dtype: torch.dtype, device: torch.device) -> CpuFusedOps | None:
-    """The fused ops for a model of ``dtype`` on ``device``: float32 on a CPU only, when they build."""
-    if device.type != "cpu" or dtype != torch.float32:
+    """The fused ops for a model of ``dtype`` on ``device``: float32, or bf16 where the CPU computes it, on a
+    CPU only, when they build."""
+    if device.type != "cpu" or dtype not in _SUFFIXES or dtype not in native_cpu_dtypes():
         return None
     return _load()
 
@@ -90,9 +139,11 @@ def _load() -> CpuFusedOps | None:
     return None if library is None else CpuFusedOps(library)
 
 
-def _dense(tensor: torch.Tensor) -> torch.Tensor:
+def _dense(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``tensor``, checked to be a dense CPU tensor of ``dtype`` (any of the library's dtypes when ``None``)."""
     # The C side indexes rows by the stride it is given and everything else as dense.
-    if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError(f"expected a dense float32 CPU tensor, got {tensor.dtype} on {tensor.device}, "
-                         f"strides {tensor.stride()}")
+    allowed = _SUFFIXES if dtype is None else (dtype,)
+    if tensor.dtype not in allowed or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(f"expected a dense {' or '.join(str(d) for d in allowed)} CPU tensor, got {tensor.dtype} "
+                         f"on {tensor.device}, strides {tensor.stride()}")
     return tensor

@@ -22,7 +22,9 @@ _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, scaled in the input dtype.
 
-    With ``fused`` (float32 on a CPU), [tokens, size] inputs take one compiled call instead of six ops.
+    With ``fused`` (a CPU model's compiled ops), [tokens, size] inputs of a dtype it norms (float32, and bf16
+    where it reproduces torch's bf16 norm: :attr:`CpuFusedOps.norm_dtypes`) take one compiled call instead of
+    six to nine ops; other dtypes keep torch's.
     """
 
     def __init__(self, size: int, eps: float, fused: CpuFusedOps | None = None) -> None:
@@ -36,19 +38,26 @@ class RMSNorm(nn.Module):
 
         The fused path adds into ``residual`` in place and returns it.
         """
-        if self.fused is not None:
-            return self.fused.rms_norm(x, residual, self.weight, self.eps), residual
+        fused = self._fused_for(x)
+        if fused is not None:
+            return fused.rms_norm(x, residual, self.weight, self.eps), residual
         residual = residual + x
         return self(residual), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None:
-            return self.fused.rms_norm(x, None, self.weight, self.eps)
+        fused = self._fused_for(x)
+        if fused is not None:
+            return fused.rms_norm(x, None, self.weight, self.eps)
         input_dtype = x.dtype
         x = x.to(torch.float32)
         variance = x.pow(2).mean(-1, keepdim=True)
         x = x * torch.rsqrt(variance + self.eps)
         return self.weight * x.to(input_dtype)
+
+    def _fused_for(self, x: torch.Tensor) -> CpuFusedOps | None:
+        """The compiled ops, when they norm ``x``'s dtype (and the weight is of it)."""
+        fused = self.fused
+        return fused if fused is not None and x.dtype == self.weight.dtype and x.dtype in fused.norm_dtypes else None
 
 
 def head_dim_of(config: PretrainedConfig) -> int:

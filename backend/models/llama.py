@@ -190,8 +190,8 @@ class CausalLM(nn.Module):
     Parameter names follow the checkpoint's (``model.layers.0.self_attn...``)
     except for the fused ``qkv_proj`` and ``gate_up_proj``; see
     ``checkpoint_sources``. Build it on the meta device and let the loader
-    assign real tensors. ``fused``: compiled elementwise steps for float32 on
-    a CPU (:mod:`pagedllm.layers.cpu_fused_ops`); ``None`` keeps torch ops.
+    assign real tensors. ``fused``: compiled elementwise steps for float32 or
+    bf16 on a CPU (:mod:`pagedllm.layers.cpu_fused_ops`); ``None`` keeps torch ops.
     ``tp``: this process's rank in its tensor-parallel group; the model holds
     that rank's share (``num_heads``, ``num_kv_heads`` are per rank).
     ``ValueError`` when the group's size cannot split the model.
