@@ -42,7 +42,7 @@ def test_a_dict_becomes_a_speculative_config_with_vllm_defaults() -> None:
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3},
      "speculative_config.prompt_lookup_max=3"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "/draft"}, "speculative_config.model='/draft'"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model=None"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": ""}, "speculative_config.model=''"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1},
      "speculative_config.disable_by_batch_size=-1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown speculative_config key(s) ['lookahead']"),
@@ -90,9 +90,6 @@ def test_a_bad_serve_flag_fails_before_tritonserver(tiny_model_dir: Callable[[st
 
 def test_the_engine_refuses_what_speculation_does_not_do(tiny_model_dir: Callable[[str], Path]) -> None:
     model = str(tiny_model_dir("llama"))
-    with pytest.raises(ValueError, match="speculative_config.method='draft_model' is not supported yet"):
-        LLM(model=model, dtype="float32", speculative_config={"method": "draft_model", "num_speculative_tokens": 2,
-                                                              "model": model})
     with pytest.raises(ValueError, match="scheduling=static"):
         LLM(model=model, scheduling="static", speculative_config=NGRAM)
     llm = LLM(model=model, dtype="float32", speculative_config=NGRAM)

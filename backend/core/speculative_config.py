@@ -51,8 +51,8 @@ class SpeculativeConfig:
                  f"an integer >= prompt_lookup_min ({low})")
         object.__setattr__(self, "prompt_lookup_min", low)
         object.__setattr__(self, "prompt_lookup_max", high)
-        if self.method == "draft_model":
-            _require(isinstance(self.model, str) and bool(self.model), "model", self.model,
+        if self.method == "draft_model":  # unset: the draft shipped with the embedded default model
+            _require(self.model is None or (isinstance(self.model, str) and bool(self.model)), "model", self.model,
                      "the draft checkpoint (a directory or hub id) with method draft_model")
         else:
             _require(self.model is None, "model", self.model, f"null with method {self.method!r}")
