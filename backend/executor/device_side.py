@@ -107,8 +107,6 @@ def _load_draft(config: EngineConfig, model_dir: Path, model: CausalLM, dtype: t
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
         return None
-    if config.tensor_parallel_size > 1:
-        raise ValueError("speculative_config.method='draft_model' is not supported with tensor_parallel_size > 1")
     draft_dir = draft_model_dir(spec.model, model_dir, config.revision)
     check_draft_checkpoint(draft_dir, model_dir, model.vocab_size, max_model_len)
     return load_model(draft_dir, dtype, device, attention)

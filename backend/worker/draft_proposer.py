@@ -92,7 +92,8 @@ class DraftProposer:
 
     def propose(self, requests: Seq[DraftRequest]) -> list[Proposal]:
         """Catch every sequence up to its committed tokens; then up to ``max_drafts`` drafts each."""
-        ends = [len(r.seq.token_ids) if r.max_drafts else r.seq.num_computed_tokens for r in requests]
+        # The newest token's K/V needs a slot, which a sequence without room to draft may not have yet.
+        ends = [len(r.seq.token_ids) if self._room(r) > 0 else r.seq.num_computed_tokens for r in requests]
         first = self._catch_up(requests, ends)
         drafting = [i for i, r in enumerate(requests) if first[i] is not None and self._room(r) > 0]
         tokens: dict[int, list[int]] = {i: [] for i in drafting}
