@@ -95,6 +95,4 @@ def test_the_engine_refuses_what_speculation_does_not_do(tiny_model_dir: Callabl
     llm = LLM(model=model, dtype="float32", speculative_config=NGRAM)
     with pytest.raises(ValueError, match="beam_width=2 is not supported with speculative_config"):
         llm.generate("def f(", SamplingParams(beam_width=2, temperature=0.0, max_tokens=4))
-    with pytest.raises(ValueError, match="structured_outputs is not supported with speculative_config"):
-        llm.generate("def f(", SamplingParams(max_tokens=4, structured_outputs={"choice": ["a", "b"]}))
     assert not llm.engine.has_unfinished_requests()

@@ -114,15 +114,15 @@ class LLMEngine:
         self.limits = AdmissionLimits(self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
                                       self.model.vocab_size, num_blocks, config.block_size)
         self.sampler = Sampler()
+        self.structured = StructuredOutputs(self.tokenizer, self.model.vocab_size, self.eos_token_ids,
+                                            config.structured_outputs_compile_timeout_s, config.max_num_seqs)
         self.speculative = (None if config.speculative_config is None else SpeculativeDecoding(
-            config.speculative_config, self.scheduler.stop_policy,
+            config.speculative_config, self.scheduler.stop_policy, self.structured,
             None if side.draft_runner is None else DraftProposer(
                 side.draft_runner, config.speculative_config.num_speculative_tokens, config.max_num_batched_tokens)))
         if side.draft_runner is not None and config.speculative_config is not None:
             # The draft writes K/V for its guesses after a sequence's last token: room for them comes with the step.
             self.scheduler.num_lookahead_slots = config.speculative_config.num_speculative_tokens
-        self.structured = StructuredOutputs(self.tokenizer, self.model.vocab_size, self.eos_token_ids,
-                                            config.structured_outputs_compile_timeout_s, config.max_num_seqs)
         self.outputs = OutputProcessor(self.tokenizer)
         self.prompt_logprobs = PromptLogprobsCollector()
         self._requests: dict[str, Request] = {}
@@ -289,7 +289,7 @@ class LLMEngine:
     def _verify(self, out: SchedulerOutput, logits: torch.Tensor, deltas: dict[str, list[CompletionDelta]],
                 errors: dict[str, str]) -> None:
         """A step holding drafted tokens (pagedllm.engine.speculative): each sample's verified run applied and
-        emitted as one delta. Beams and grammars never get here."""
+        emitted as one delta. Beams never get here."""
         if self.speculative is None:
             raise RuntimeError("a step holds drafted tokens but speculative decoding is off")
         runs = self.speculative.verify(out, logits, self._sampling_row, self._sample, errors)
@@ -300,6 +300,8 @@ class LLMEngine:
         self.scheduler.update_from_output(out, [
             0 if run is None else run[0].token_id if len(run) == 1 else [token.token_id for token in run]
             for run in runs])
+        if self.structured.has_matchers:
+            self._advance_grammars_by_runs(out.samples, lengths, errors)
         self._emit_runs(out.samples, runs, lengths, deltas, errors)
 
     def _emit_runs(self, samples: Seq[Sample], runs: Seq[list[SampledToken] | None], lengths: Seq[int],
@@ -433,6 +435,29 @@ class LLMEngine:
                 continue
             if ended and not seq.is_finished:
                 self.scheduler.finish(seq, "stop")
+
+    def _advance_grammars_by_runs(self, samples: Seq[Sample], lengths: Seq[int], errors: dict[str, str]) -> None:
+        """Each constrained sample's matcher takes the tokens its verified run appended; a grammar that ends
+        inside the run ends its sample there (stop), and the tokens after it are not output."""
+        for seq, length in zip(samples, lengths):
+            if seq.request.request_id in errors:
+                continue
+            for end in range(length + 1, len(seq.token_ids) + 1):
+                try:
+                    ended = self.structured.accept(seq, seq.token_ids[end - 1])
+                except ValueError as error:
+                    errors[seq.request.request_id] = str(error)
+                    self._fail(seq.request, str(error))
+                    break
+                if ended is None:
+                    break
+                if ended:
+                    if end < len(seq.token_ids):  # the run went on past the grammar's end: not output
+                        del seq.token_ids[end:]
+                        seq.finish_reason = "stop" if seq.is_finished else seq.finish_reason
+                    if not seq.is_finished:
+                        self.scheduler.finish(seq, "stop")
+                    break
 
     def _fail(self, request: Request, message: str) -> None:
         """End every sample of ``request`` because it faulted; the rest of the batch carries on."""

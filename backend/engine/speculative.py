@@ -22,7 +22,10 @@ are those of decoding without speculation. Seeded requests are reproducible, but
 stream than without speculation.
 
 Speculation is skipped for a step with more running sequences than the config's
-``max_batch_size``; beam search and structured outputs are refused by name.
+``max_batch_size``; beam search is refused by name. Structured outputs: drafts are cut at the first
+token the sample's grammar refuses (the matcher walks them, then rolls back), each verified position
+is masked to what the grammar allows after the drafts before it, and the matcher then advances by
+the accepted run only.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import logging
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 
@@ -49,6 +53,14 @@ log = logging.getLogger(__name__)
 SampleFn = Callable[[torch.Tensor, Seq[Sample], dict[str, str], Seq[SamplingRow]], list[SampledToken | None]]
 
 
+class Grammars(Protocol):
+    """Structured outputs as speculation needs them (``pagedllm.engine.structured_outputs``)."""
+
+    def num_valid_drafts(self, seq: Sample, drafts: Seq[int]) -> int: ...
+
+    def mask_positions(self, logits: torch.Tensor, seq: Sample, first_row: int, drafts: Seq[int]) -> None: ...
+
+
 @dataclass(slots=True)
 class SpecDecodeCounts:
     """Cumulative counts under vLLM's metric names (``vllm:spec_decode_*``)."""
@@ -60,13 +72,15 @@ class SpecDecodeCounts:
 
 
 class SpeculativeDecoding:
-    def __init__(self, config: SpeculativeConfig, stop_policy: StopPolicy, draft: DraftProposer | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, stop_policy: StopPolicy, grammars: Grammars,
+                 draft: DraftProposer | None = None) -> None:
         if config.prompt_lookup_min is None or config.prompt_lookup_max is None:
             raise RuntimeError("SpeculativeConfig left its prompt lookup lengths unset")
         if (draft is None) != (config.method == "ngram"):
             raise RuntimeError(f"speculative_config.method={config.method!r} needs {'no' if draft else 'a'} draft model")
         self.config = config
         self.stop_policy = stop_policy
+        self.grammars = grammars
         self.draft = draft
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
@@ -79,9 +93,6 @@ class SpeculativeDecoding:
         if params.use_beam_search:
             raise ValueError(f"beam_width={params.beam_width} is not supported with speculative_config: "
                              "beam search scores every candidate, it has nothing to verify")
-        if params.structured_outputs is not None:
-            raise ValueError("structured_outputs is not supported with speculative_config yet: drafted tokens "
-                             "would need the grammar matcher to roll back")
 
     def propose(self, out: SchedulerOutput, num_running: int, generator_of: Callable[[Sample], torch.Generator | None]
                 ) -> None:
@@ -96,7 +107,7 @@ class SpeculativeDecoding:
                 for seq in live]
         if self.draft is None:
             for seq, drafts in zip(live, self.proposer.propose(live, room)):
-                seq.spec_token_ids = drafts
+                seq.spec_token_ids = self._allowed(seq, drafts)
             return
         sampled = {seq.seq_id for seq in out.samples}
         prefilling = [item.seq for item in out.scheduled if item.seq.seq_id not in sampled and not item.seq.is_finished]
@@ -104,11 +115,17 @@ class SpeculativeDecoding:
                     for seq, most in zip(live, room)]
         requests += [DraftRequest(seq, 0, 0.0, None) for seq in prefilling]
         for seq, proposal in zip(live, self.draft.propose(requests)):
-            seq.spec_token_ids = proposal.token_ids
-            if proposal.probs is None:
+            seq.spec_token_ids = self._allowed(seq, proposal.token_ids)
+            if proposal.probs is None or not seq.spec_token_ids:
                 self._q.pop(seq.seq_id, None)
             else:
-                self._q[seq.seq_id] = proposal.probs
+                self._q[seq.seq_id] = proposal.probs[: len(seq.spec_token_ids)]
+
+    def _allowed(self, seq: Sample, drafts: list[int]) -> list[int]:
+        """``drafts`` up to the first one ``seq``'s grammar refuses: that one would be rejected anyway."""
+        if not drafts or seq.request.params.structured_outputs is None:
+            return drafts
+        return drafts[: self.grammars.num_valid_drafts(seq, drafts)]
 
     def verify(self, out: SchedulerOutput, logits: torch.Tensor, base_row: Callable[[Sample], SamplingRow],
                sample: SampleFn, errors: dict[str, str]) -> list[list[SampledToken] | None]:
@@ -130,6 +147,8 @@ class SpeculativeDecoding:
             position_rows = [base] + [self._position_row(seq, base, drafts[:position])
                                       for position in range(1, len(drafts) + 1)]
             first = first_rows[logit_row]
+            if seq.request.params.structured_outputs is not None:
+                self.grammars.mask_positions(logits, seq, first, drafts)
             q = self._q.pop(seq.seq_id, None)
             if drafts and q is not None and not base.params.greedy:
                 runs[index] = self._rejection_sample(seq, drafts, q[: len(drafts)],
