@@ -45,6 +45,8 @@ def test_a_dict_becomes_a_speculative_config_with_vllm_defaults() -> None:
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": ""}, "speculative_config.model=''"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1},
      "speculative_config.disable_by_batch_size=-1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_acceptance_rate": 1.5},
+     "speculative_config.disable_by_acceptance_rate=1.5"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown speculative_config key(s) ['lookahead']"),
     ({"num_speculative_tokens": 2}, "speculative_config.method is required"),
     ("[1]", "must be a JSON object"),

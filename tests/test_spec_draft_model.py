@@ -24,6 +24,7 @@ from test_spec_decode_distribution import SAMPLES, chi_square_p, first_three
 from test_spec_decode_exactness import GREEDY, K, NEW_TOKENS, assert_same, random_prompts, run
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.core.speculative_config import ACCEPTANCE_RATE_MIN_DRAFTS
 from pagedllm.testing.draft_checkpoint import noisy_draft
 
 FULL = full_run.full()
@@ -190,3 +191,24 @@ def test_sampled_drafts_are_verified_by_rejection(tiny_model_dir: Callable[[str]
     run(llm, prompts, params)
     counts = llm.engine.stats().spec_decode
     assert counts is not None and 0 < counts.num_accepted_tokens < counts.num_draft_tokens
+
+
+def test_a_request_below_disable_by_acceptance_rate_stops_proposing(tiny_model_dir: Callable[[str], Path],
+                                                                      draft_dir: Callable[[str], Path]) -> None:
+    """The draft agrees about 40% of the time: a 0.9 floor turns each request's speculation off once it has
+    been measured over ACCEPTANCE_RATE_MIN_DRAFTS drafted tokens; a 0.1 floor never does. Tokens are unchanged."""
+    model_dir, draft = tiny_model_dir("llama"), draft_dir("llama")
+    prompts = random_prompts(seed=9)[:3]
+    want = run(LLM(model=str(model_dir), dtype="float32"), prompts, GREEDY)
+    drafted = {}
+    for floor in (0.9, 0.1):
+        llm = LLM(model=str(model_dir), dtype="float32", speculative_config={
+            "method": "draft_model", "model": str(draft), "num_speculative_tokens": K, "disable_by_batch_size": 0,
+            "disable_by_acceptance_rate": floor})
+        assert_same(run(llm, prompts, GREEDY), want)
+        counts = llm.engine.stats().spec_decode
+        assert counts is not None
+        drafted[floor] = counts.num_draft_tokens
+    # A request is measured at its verification and proposes nothing after it: at most K - 1 past the minimum.
+    bound = len(prompts) * (ACCEPTANCE_RATE_MIN_DRAFTS + K - 1)
+    assert drafted[0.9] <= bound < drafted[0.1]

@@ -191,7 +191,7 @@ class LLMEngine:
             out = self.scheduler.schedule()
             self.structured.release(out.finished_seq_ids)
             if self.speculative is not None:
-                self.speculative.release([*out.finished_seq_ids, *(seq.seq_id for seq in out.preempted)])
+                self.speculative.release(out.finished_seq_ids, [seq.seq_id for seq in out.preempted])
             for child in out.forked:
                 self._track_sequence(child)
             if out.scheduled:

@@ -22,7 +22,8 @@ are those of decoding without speculation. Seeded requests are reproducible, but
 stream than without speculation.
 
 Speculation is skipped for a step with more running sequences than the config's
-``max_batch_size``; beam search is refused by name. Structured outputs: drafts are cut at the first
+``max_batch_size``, and for good for a request whose measured acceptance rate fell below
+``disable_by_acceptance_rate``; beam search is refused by name. Structured outputs: drafts are cut at the first
 token the sample's grammar refuses (the matcher walks them, then rolls back), each verified position
 is masked to what the grammar allows after the drafts before it, and the matcher then advances by
 the accepted run only.
@@ -41,7 +42,7 @@ from pagedllm.core.request import Sample
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.core.stop_policy import StopPolicy
 from pagedllm.core.sampling_params import SamplingParams
-from pagedllm.core.speculative_config import SpeculativeConfig
+from pagedllm.core.speculative_config import ACCEPTANCE_RATE_MIN_DRAFTS, SpeculativeConfig
 from pagedllm.worker.draft_proposer import DraftProposer, DraftRequest
 from pagedllm.worker.ngram_proposer import NgramProposer
 from pagedllm.worker.sampler import SampledToken, SamplingRow, target_probs, with_logprobs
@@ -86,6 +87,8 @@ class SpeculativeDecoding:
                                       config.prompt_lookup_max)
         self.counts = SpecDecodeCounts(num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
         self._q: dict[int, torch.Tensor] = {}  # seq id -> the draft model's q at each of its pending drafts
+        self._tally: dict[int, list[int]] = {}  # seq id -> [drafted, accepted] over its life (preemptions included)
+        self._stopped: set[int] = set()  # seq ids whose acceptance rate turned their speculation off
 
     @staticmethod
     def check_request(params: SamplingParams) -> None:
@@ -101,7 +104,7 @@ class SpeculativeDecoding:
         limit = self.config.max_batch_size
         if limit is not None and num_running > limit:
             return
-        live = [seq for seq in out.samples if not seq.is_finished]
+        live = [seq for seq in out.samples if not seq.is_finished and seq.seq_id not in self._stopped]
         # The target's token follows the drafts, so a run never passes max_tokens or max_model_len.
         room = [self.stop_policy.max_new_tokens(seq.request.params, seq.num_prompt_tokens) - seq.num_output_tokens - 1
                 for seq in live]
@@ -110,7 +113,8 @@ class SpeculativeDecoding:
                 seq.spec_token_ids = self._allowed(seq, drafts)
             return
         sampled = {seq.seq_id for seq in out.samples}
-        prefilling = [item.seq for item in out.scheduled if item.seq.seq_id not in sampled and not item.seq.is_finished]
+        prefilling = [item.seq for item in out.scheduled if item.seq.seq_id not in sampled
+                      and not item.seq.is_finished and item.seq.seq_id not in self._stopped]
         requests = [DraftRequest(seq, max(0, most), _draft_temperature(seq.request.params), generator_of(seq))
                     for seq, most in zip(live, room)]
         requests += [DraftRequest(seq, 0, 0.0, None) for seq in prefilling]
@@ -167,7 +171,7 @@ class SpeculativeDecoding:
             if any(token is None for token in target):
                 continue
             verified = [token for token in target if token is not None]
-            runs[index] = self.accept(drafts, verified) if drafts else verified
+            runs[index] = self.accept(drafts, verified, out.samples[index].seq_id) if drafts else verified
         return runs
 
     def _position_row(self, seq: Sample, base: SamplingRow, drafts: tuple[int, ...]) -> SamplingRow:
@@ -208,19 +212,28 @@ class SpeculativeDecoding:
             log.exception("verifying drafts failed for request %s", seq.request.request_id)
             errors[seq.request.request_id] = f"sampling failed: {error}"
             return None
-        self._count(len(drafts), len(chosen) - 1)
+        self._count(len(drafts), len(chosen) - 1, seq.seq_id)
         return run
 
-    def accept(self, drafts: Seq[int], target: Seq[SampledToken]) -> list[SampledToken]:
+    def accept(self, drafts: Seq[int], target: Seq[SampledToken], seq_id: int) -> list[SampledToken]:
         """The verified run: the drafts equal to the target's tokens at their positions, then the target's
         token after them. ``target`` holds the ``len(drafts) + 1`` tokens sampled at the drafts' positions."""
         accepted = 0
         while accepted < len(drafts) and target[accepted].token_id == drafts[accepted]:
             accepted += 1
-        self._count(len(drafts), accepted)
+        self._count(len(drafts), accepted, seq_id)
         return list(target[: accepted + 1])
 
-    def _count(self, num_drafted: int, num_accepted: int) -> None:
+    def _count(self, num_drafted: int, num_accepted: int, seq_id: int) -> None:
+        rate = self.config.disable_by_acceptance_rate
+        if rate is not None:
+            tally = self._tally.setdefault(seq_id, [0, 0])
+            tally[0] += num_drafted
+            tally[1] += num_accepted
+            if tally[0] >= ACCEPTANCE_RATE_MIN_DRAFTS and tally[1] < rate * tally[0]:
+                self._stopped.add(seq_id)
+                if self.draft is not None:
+                    self.draft.release([seq_id])  # it will not propose again: its draft K/V is not needed
         counts = self.counts
         counts.num_drafts += 1
         counts.num_draft_tokens += num_drafted
@@ -233,14 +246,18 @@ class SpeculativeDecoding:
         """A copy of the counts, safe to hand to another thread or process."""
         return replace(self.counts, num_accepted_tokens_per_pos=list(self.counts.num_accepted_tokens_per_pos))
 
-    def release(self, seq_ids: Iterable[int]) -> None:
-        """Forget sequences that finished or were preempted."""
-        seq_ids = list(seq_ids)
-        self.proposer.release(seq_ids)
+    def release(self, finished: Iterable[int], preempted: Iterable[int] = ()) -> None:
+        """Forget sequences that finished; drop what preempted ones held in the KV cache."""
+        finished = list(finished)
+        dropped = [*finished, *preempted]
+        self.proposer.release(dropped)
         if self.draft is not None:
-            self.draft.release(seq_ids)
-        for seq_id in seq_ids:
+            self.draft.release(dropped)
+        for seq_id in dropped:
             self._q.pop(seq_id, None)
+        for seq_id in finished:
+            self._tally.pop(seq_id, None)
+            self._stopped.discard(seq_id)
 
 
 def _draft_temperature(params: SamplingParams) -> float:
