@@ -12,7 +12,7 @@ final norm), with tied embeddings to stay under a quarter of the target's parame
 steps is fixed so reruns match; the held-out argmax agreement with the target
 is recorded, the greedy acceptance rate per drafted token it predicts.
 
-    nice -n 15 python scripts/train_default_draft.py    # ~20 min on 2 shared CPU cores
+    nice -n 15 python scripts/train_default_draft.py    # ~10 min on 2 shared CPU cores
 
 Writes to ``backend/default_model/draft/``: bf16 safetensors, config,
 generation config, tokenizer and ``training.json``.
@@ -77,7 +77,7 @@ def parse_args() -> DraftArgs:
     p.add_argument("--intermediate-size", type=int, default=384)
     p.add_argument("--no-init-from-target", dest="init_from_target", action="store_false",
                    help="start from random weights instead of the target's first layers")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--min-lr-rate", type=float, default=0.1)
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--weight-decay", type=float, default=0.1)

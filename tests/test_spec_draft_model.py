@@ -212,3 +212,13 @@ def test_a_request_below_disable_by_acceptance_rate_stops_proposing(tiny_model_d
     # A request is measured at its verification and proposes nothing after it: at most K - 1 past the minimum.
     bound = len(prompts) * (ACCEPTANCE_RATE_MIN_DRAFTS + K - 1)
     assert drafted[0.9] <= bound < drafted[0.1]
+
+
+def test_the_default_model_speculates_with_its_shipped_draft() -> None:
+    prompt = "import os\n\n\ndef read_lines(path):\n"
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = LLM().generate(prompt, params)[0].outputs[0].token_ids
+    llm = LLM(speculative_config={"method": "draft_model", "num_speculative_tokens": 3})
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == want
+    counts = llm.engine.stats().spec_decode
+    assert counts is not None and counts.num_drafts > 0
