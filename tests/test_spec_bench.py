@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from pagedllm.cli import build_parser
+from pagedllm.core.model_source import DEFAULT_MODEL_DIR
 
 
 def test_spec_bench_tiny_run_writes_every_number(tmp_path: Path) -> None:
@@ -17,3 +18,14 @@ def test_spec_bench_tiny_run_writes_every_number(tmp_path: Path) -> None:
         ("copying", 1), ("copying", 2), ("free", 1), ("free", 2)]
     assert all(row["tpot_ms_without"] > 0 and row["tpot_ms_with"] > 0 for row in rows)
     assert rows[0]["drafts"] > 0 and rows[0]["acceptance_length"] > 1
+
+
+def test_spec_bench_runs_a_draft_model(tmp_path: Path) -> None:
+    # The target as its own draft: every greedy draft is accepted.
+    args = build_parser(load_benches=True).parse_args(
+        ["bench", "spec", "--method", "draft_model", "--draft-model", str(DEFAULT_MODEL_DIR), "--concurrency", "1",
+         "--runs", "1", "--max-tokens", "12", "--num-speculative-tokens", "3", "--out", str(tmp_path)])
+    args.handler(args)
+    report = json.loads((tmp_path / "spec_draft_model.json").read_text())
+    assert report["config"]["method"] == "draft_model"
+    assert all(row["drafts"] > 0 and row["acceptance_length"] > 3 for row in report["rows"])

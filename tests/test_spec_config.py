@@ -42,9 +42,11 @@ def test_a_dict_becomes_a_speculative_config_with_vllm_defaults() -> None:
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3},
      "speculative_config.prompt_lookup_max=3"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "/draft"}, "speculative_config.model='/draft'"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model=None"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": ""}, "speculative_config.model=''"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1},
      "speculative_config.disable_by_batch_size=-1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_acceptance_rate": 1.5},
+     "speculative_config.disable_by_acceptance_rate=1.5"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown speculative_config key(s) ['lookahead']"),
     ({"num_speculative_tokens": 2}, "speculative_config.method is required"),
     ("[1]", "must be a JSON object"),
@@ -90,14 +92,9 @@ def test_a_bad_serve_flag_fails_before_tritonserver(tiny_model_dir: Callable[[st
 
 def test_the_engine_refuses_what_speculation_does_not_do(tiny_model_dir: Callable[[str], Path]) -> None:
     model = str(tiny_model_dir("llama"))
-    with pytest.raises(ValueError, match="speculative_config.method='draft_model' is not supported yet"):
-        LLM(model=model, dtype="float32", speculative_config={"method": "draft_model", "num_speculative_tokens": 2,
-                                                              "model": model})
     with pytest.raises(ValueError, match="scheduling=static"):
         LLM(model=model, scheduling="static", speculative_config=NGRAM)
     llm = LLM(model=model, dtype="float32", speculative_config=NGRAM)
     with pytest.raises(ValueError, match="beam_width=2 is not supported with speculative_config"):
         llm.generate("def f(", SamplingParams(beam_width=2, temperature=0.0, max_tokens=4))
-    with pytest.raises(ValueError, match="structured_outputs is not supported with speculative_config"):
-        llm.generate("def f(", SamplingParams(max_tokens=4, structured_outputs={"choice": ["a", "b"]}))
     assert not llm.engine.has_unfinished_requests()

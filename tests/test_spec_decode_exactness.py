@@ -186,7 +186,8 @@ def test_each_verified_position_counts_the_drafts_before_it(tiny_model_dir: Call
     seq = engine._requests["r"].sequences[0]
     base = engine._sampling_row(seq)
     vocab = engine.model.vocab_size
-    rows = [engine._position_row(seq, base, drafts) for drafts in ((11,), (11, 12), (11, 12, 11))]
+    assert engine.speculative is not None
+    rows = [engine.speculative._position_row(seq, base, drafts) for drafts in ((11,), (11, 12), (11, 12, 11))]
     counts = [row.penalties.tensors(vocab, torch.device("cpu"), torch.float32)[1] for row in rows]
     assert [(c[11].item(), c[12].item()) for c in counts] == [(1, 0), (1, 1), (2, 1)]
     assert base.penalties is not None and base.penalties.tensors(vocab, torch.device("cpu"), torch.float32)[1].sum() == 0

@@ -121,6 +121,8 @@ class Scheduler:
         # forks never push ``running`` past ``max_num_seqs``.
         self._reserved_forks = 0
         self._finished_seq_ids: list[int] = []
+        # Slots beyond a speculating sequence's step, for a draft model's K/V of its next guesses (vLLM's name).
+        self.num_lookahead_slots = 0
 
     def add(self, seq: Sample) -> None:
         request = seq.request
@@ -171,9 +173,10 @@ class Scheduler:
             drafts: tuple[int, ...] = ()
             if seq.spec_token_ids and seq.num_computed_tokens + num_tokens == len(seq.token_ids):
                 drafts = tuple(seq.spec_token_ids[: budget - num_tokens])  # they follow its last token
-            while not allocate(seq, num_tokens + len(drafts)):
-                if drafts:  # speculation never preempts anyone: drop the drafts first
-                    drafts = ()
+            lookahead = self.num_lookahead_slots if drafts else 0
+            while not allocate(seq, num_tokens + len(drafts) + lookahead):
+                if lookahead or drafts:  # speculation never preempts anyone: drop its room first
+                    lookahead, drafts = (0, drafts) if lookahead else (0, ())
                     continue
                 victims = self._preempt_last()
                 preempted.extend(victims)

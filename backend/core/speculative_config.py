@@ -10,6 +10,11 @@ takes the other's value, and both default to 5 when neither is given.
 nothing, because verifying drafts then costs compute that a large batch no longer has to spare.
 ``None`` keeps our measured default (``DEFAULT_DISABLE_BY_BATCH_SIZE``); ``0`` never disables.
 
+``disable_by_acceptance_rate`` (per request; ``None``, the default, never disables): once a request
+has had ``ACCEPTANCE_RATE_MIN_DRAFTS`` tokens drafted, it stops proposing for good when the share of
+its drafted tokens accepted so far is below this rate, since each rejected draft costs a forward row
+(and, with a draft model, a draft step) that buys nothing.
+
 Torch-free, like the rest of the configuration.
 """
 from __future__ import annotations
@@ -27,6 +32,8 @@ MAX_SPECULATIVE_TOKENS = 16
 # Above this many running sequences a step decodes normally: half the batch size where n-gram speculation
 # stopped paying on a CPU with the default model (pagedllm bench spec --disable-by-batch-size 0; RESULTS).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+# Drafted tokens a request is measured over before its acceptance rate may turn its speculation off.
+ACCEPTANCE_RATE_MIN_DRAFTS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +44,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     model: str | None = None  # the draft checkpoint (method draft_model)
     disable_by_batch_size: int | None = None
+    disable_by_acceptance_rate: float | None = None
 
     def __post_init__(self) -> None:
         _require(self.method in METHODS, "method", self.method, f"one of {', '.join(METHODS)}")
@@ -51,14 +59,17 @@ class SpeculativeConfig:
                  f"an integer >= prompt_lookup_min ({low})")
         object.__setattr__(self, "prompt_lookup_min", low)
         object.__setattr__(self, "prompt_lookup_max", high)
-        if self.method == "draft_model":
-            _require(isinstance(self.model, str) and bool(self.model), "model", self.model,
+        if self.method == "draft_model":  # unset: the draft shipped with the embedded default model
+            _require(self.model is None or (isinstance(self.model, str) and bool(self.model)), "model", self.model,
                      "the draft checkpoint (a directory or hub id) with method draft_model")
         else:
             _require(self.model is None, "model", self.model, f"null with method {self.method!r}")
         _require(self.disable_by_batch_size is None or (_int(self.disable_by_batch_size)
                                                         and self.disable_by_batch_size >= 0),
                  "disable_by_batch_size", self.disable_by_batch_size, "null or an integer >= 0")
+        rate = self.disable_by_acceptance_rate
+        _require(rate is None or (isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0.0 <= rate <= 1.0),
+                 "disable_by_acceptance_rate", rate, "null or a number in [0, 1]")
 
     @property
     def max_batch_size(self) -> int | None:

@@ -27,12 +27,13 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.engine.structured_outputs import StructuredOutputs
 from pagedllm.engine.prompt_logprobs import PromptLogprobsCollector
-from pagedllm.engine.speculative import SpecDecodeCounts, SpeculativeDecoding, check_supported
+from pagedllm.engine.speculative import SpecDecodeCounts, SpeculativeDecoding
 from pagedllm.lora.request import LoRARequest
 from pagedllm.core.model_source import DEFAULT_MODEL_DIR, resolve_model_dir
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.platform.cpu_memory import keep_freed_memory
 from pagedllm.worker.beam_sampler import beam_candidates
+from pagedllm.worker.draft_proposer import DraftProposer
 from pagedllm.worker.sampler import (PenaltyState, SampledToken, Sampler, SamplingRow, make_generator,
                                      needs_penalties)
 
@@ -78,8 +79,9 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.speculative_config is not None:
-            check_supported(config.speculative_config)
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model" and config.tensor_parallel_size > 1:
+            raise ValueError("speculative_config.method='draft_model' is not supported with tensor_parallel_size > 1")
         model_dir = resolve_model_dir(config.model, config.revision) if config.model is not None else DEFAULT_MODEL_DIR
         if not (model_dir / "config.json").is_file():
             raise ValueError(f"model={str(model_dir)!r} is not a Hugging Face checkpoint directory (no config.json)")
@@ -112,10 +114,15 @@ class LLMEngine:
         self.limits = AdmissionLimits(self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
                                       self.model.vocab_size, num_blocks, config.block_size)
         self.sampler = Sampler()
-        self.speculative = (None if config.speculative_config is None
-                            else SpeculativeDecoding(config.speculative_config, self.scheduler.stop_policy))
         self.structured = StructuredOutputs(self.tokenizer, self.model.vocab_size, self.eos_token_ids,
                                             config.structured_outputs_compile_timeout_s, config.max_num_seqs)
+        self.speculative = (None if config.speculative_config is None else SpeculativeDecoding(
+            config.speculative_config, self.scheduler.stop_policy, self.structured,
+            None if side.draft_runner is None else DraftProposer(
+                side.draft_runner, config.speculative_config.num_speculative_tokens, config.max_num_batched_tokens)))
+        if side.draft_runner is not None and config.speculative_config is not None:
+            # The draft writes K/V for its guesses after a sequence's last token: room for them comes with the step.
+            self.scheduler.num_lookahead_slots = config.speculative_config.num_speculative_tokens
         self.outputs = OutputProcessor(self.tokenizer)
         self.prompt_logprobs = PromptLogprobsCollector()
         self._requests: dict[str, Request] = {}
@@ -184,7 +191,7 @@ class LLMEngine:
             out = self.scheduler.schedule()
             self.structured.release(out.finished_seq_ids)
             if self.speculative is not None:
-                self.speculative.release(out.finished_seq_ids)
+                self.speculative.release(out.finished_seq_ids, [seq.seq_id for seq in out.preempted])
             for child in out.forked:
                 self._track_sequence(child)
             if out.scheduled:
@@ -248,7 +255,7 @@ class LLMEngine:
         else:
             self._sample_step(out, logits, deltas, errors)
         if self.speculative is not None:
-            self.speculative.propose(out.samples, len(self.scheduler.running))
+            self.speculative.propose(out, len(self.scheduler.running), self._generator_of)
 
     def _sample_step(self, out: SchedulerOutput, logits: torch.Tensor, deltas: dict[str, list[CompletionDelta]],
                      errors: dict[str, str]) -> None:
@@ -281,60 +288,25 @@ class LLMEngine:
 
     def _verify(self, out: SchedulerOutput, logits: torch.Tensor, deltas: dict[str, list[CompletionDelta]],
                 errors: dict[str, str]) -> None:
-        """A step holding drafted tokens (pagedllm.engine.speculative): each sample's target token at every
-        position it speculated, the verified runs applied and emitted. Beams and grammars never get here."""
-        speculative = self.speculative
-        if speculative is None:
+        """A step holding drafted tokens (pagedllm.engine.speculative): each sample's verified run applied and
+        emitted as one delta. Beams never get here."""
+        if self.speculative is None:
             raise RuntimeError("a step holds drafted tokens but speculative decoding is off")
-        first_rows: list[int] = []  # each completing sequence's first logits row
-        row = 0
-        for index in out.completing:
-            first_rows.append(row)
-            row += 1 + len(out.scheduled[index].spec_token_ids)
-        picks: list[int] = []
-        rows: list[SamplingRow] = []
-        owners: list[Sample] = []
-        drafts_of: list[tuple[int, ...]] = []
-        for seq, logit_row in zip(out.samples, out.sample_logit_rows):
-            drafts = out.scheduled[out.completing[logit_row]].spec_token_ids
-            drafts_of.append(drafts)
-            base = self._sampling_row(seq)
-            for position in range(len(drafts) + 1):
-                picks.append(first_rows[logit_row] + position)
-                rows.append(base if position == 0 else self._position_row(seq, base, drafts[:position]))
-                owners.append(seq)
-        tokens = self._sample(logits[torch.tensor(picks, device=logits.device, dtype=torch.long)], owners, errors,
-                              rows)
-        runs: list[list[SampledToken] | None] = []
-        offset = 0
-        for seq, drafts in zip(out.samples, drafts_of):
-            target = tokens[offset : offset + len(drafts) + 1]
-            offset += len(drafts) + 1
-            if any(token is None for token in target):
-                runs.append(None)
+        runs = self.speculative.verify(out, logits, self._sampling_row, self._sample, errors)
+        for seq, run in zip(out.samples, runs):
+            if run is None:
                 self._fail(seq.request, errors[seq.request.request_id])
-            else:
-                verified = [token for token in target if token is not None]
-                runs.append(speculative.accept(drafts, verified) if drafts else verified)
         lengths = [len(seq.token_ids) for seq in out.samples]
         self.scheduler.update_from_output(out, [
             0 if run is None else run[0].token_id if len(run) == 1 else [token.token_id for token in run]
             for run in runs])
+        if self.structured.has_matchers:
+            self._advance_grammars_by_runs(out.samples, lengths, errors)
         self._emit_runs(out.samples, runs, lengths, deltas, errors)
-
-    def _position_row(self, seq: Sample, base: SamplingRow, drafts: tuple[int, ...]) -> SamplingRow:
-        """The sampling row of the position after ``drafts``: penalties and ``min_tokens`` count them too."""
-        params = base.params
-        penalties = None if base.penalties is None else base.penalties.extended(drafts)
-        suppressed: tuple[int, ...] = ()
-        if params.min_tokens and seq.num_output_tokens + len(drafts) < params.min_tokens:
-            suppressed = (*(() if params.ignore_eos else tuple(self.eos_token_ids)), *params.stop_token_ids)
-        return SamplingRow(params, base.generator, penalties, suppressed)
 
     def _emit_runs(self, samples: Seq[Sample], runs: Seq[list[SampledToken] | None], lengths: Seq[int],
                    deltas: dict[str, list[CompletionDelta]], errors: dict[str, str]) -> None:
         """Output processing of a verification step: each sample's tokens, up to where it stopped, as one delta."""
-        rows = self._rows
         for seq, run, length in zip(samples, runs, lengths):
             request_id = seq.request.request_id
             if run is None or request_id in errors:
@@ -342,31 +314,18 @@ class LLMEngine:
             appended = run[: len(seq.token_ids) - length]  # the scheduler cut the run at a token-level stop
             merged: CompletionDelta | None = None
             try:
-                penalties = rows[seq.seq_id].penalties
                 for position, token in enumerate(appended):
-                    if length + position == seq.num_prompt_tokens and seq.index == 0:  # its first token
-                        self._prompt_tokens_total += seq.num_prompt_tokens
-                    if token.logprob is not None:
-                        seq.cumulative_logprob += token.logprob
-                    if penalties is not None:
-                        penalties.append(token.token_id)
-                    delta = self.outputs.process(seq, token, last=position == len(appended) - 1)
+                    delta = self._emit_token(seq, token, length + position + 1, position == len(appended) - 1)
                     merged = delta if merged is None else _joined(merged, delta)
-                    self._generation_tokens_total += 1
-                    if delta.finish_reason == "stop" and seq.finish_reason != "stop":  # a stop string
-                        if seq.is_finished:
-                            seq.finish_reason = "stop"
-                        else:
-                            self.scheduler.finish(seq, "stop")
-                        del seq.token_ids[length + position + 1 :]  # the rest of the run is not output
+                    if delta.finish_reason == "stop" and len(seq.token_ids) > length + position + 1:
+                        del seq.token_ids[length + position + 1 :]  # a stop string: the rest is not output
                         break
-                if seq.is_finished:
-                    del rows[seq.seq_id]
             except Exception as error:  # a detokenizer or stop-string fault is this request's alone
                 log.exception("output processing failed for request %s", request_id)
                 errors[request_id] = f"output processing failed: {error}"
                 self._fail(seq.request, errors[request_id])
                 continue
+            self._generation_tokens_total += len(merged.token_ids) if merged is not None else 0
             if merged is not None:
                 deltas.setdefault(request_id, []).append(merged)
 
@@ -387,11 +346,8 @@ class LLMEngine:
 
     def _emit_all(self, samples: Seq[Sample], tokens: Seq[SampledToken | None],
                   deltas: dict[str, list[CompletionDelta]], errors: dict[str, str]) -> None:
-        """Output processing of a step: each sample's text delta, stop strings.
-
-        One loop with its lookups bound once: it runs for every sampled token of every step.
-        """
-        process, rows = self.outputs.process, self._rows
+        """Output processing of a step: each sample's text delta, stop strings."""
+        emit = self._emit_token
         emitted = 0
         for seq, token in zip(samples, tokens):
             request_id = seq.request.request_id
@@ -399,21 +355,7 @@ class LLMEngine:
                 continue
             emitted += 1
             try:
-                if len(seq.token_ids) == seq.num_prompt_tokens + 1 and seq.index == 0:  # its first token
-                    self._prompt_tokens_total += seq.num_prompt_tokens
-                if token.logprob is not None:
-                    seq.cumulative_logprob += token.logprob
-                penalties = rows[seq.seq_id].penalties
-                if penalties is not None:
-                    penalties.append(token.token_id)
-                delta = process(seq, token)
-                if delta.finish_reason == "stop" and seq.finish_reason != "stop":  # a stop string: only text shows it
-                    if seq.is_finished:
-                        seq.finish_reason = "stop"
-                    else:
-                        self.scheduler.finish(seq, "stop")
-                if seq.is_finished:
-                    del rows[seq.seq_id]
+                delta = emit(seq, token, len(seq.token_ids), True)
             except Exception as error:  # a detokenizer or stop-string fault is this request's alone
                 log.exception("output processing failed for request %s", request_id)
                 errors[request_id] = f"output processing failed: {error}"
@@ -425,6 +367,27 @@ class LLMEngine:
             else:
                 request_deltas.append(delta)
         self._generation_tokens_total += emitted
+
+    def _emit_token(self, seq: Sample, token: SampledToken, length: int, last: bool) -> CompletionDelta:
+        """One appended token's output processing: ``length`` is ``seq``'s token count with it; ``last``: the
+        last token of its step's run (the detokenizer checks stop strings then). A stop string, which only
+        the text shows, finishes ``seq`` here."""
+        if length == seq.num_prompt_tokens + 1 and seq.index == 0:  # its first token
+            self._prompt_tokens_total += seq.num_prompt_tokens
+        if token.logprob is not None:
+            seq.cumulative_logprob += token.logprob
+        penalties = self._rows[seq.seq_id].penalties
+        if penalties is not None:
+            penalties.append(token.token_id)
+        delta = self.outputs.process(seq, token, last=last)
+        if delta.finish_reason == "stop" and seq.finish_reason != "stop":
+            if seq.is_finished:
+                seq.finish_reason = "stop"
+            else:
+                self.scheduler.finish(seq, "stop")
+        if seq.is_finished and (last or delta.finish_reason is not None):  # nothing of its run follows
+            self._rows.pop(seq.seq_id, None)
+        return delta
 
     def _sample(self, logits: torch.Tensor, samples: Seq[Sample], errors: dict[str, str],
                 rows: Seq[SamplingRow] | None = None) -> list[SampledToken | None]:
@@ -472,6 +435,29 @@ class LLMEngine:
                 continue
             if ended and not seq.is_finished:
                 self.scheduler.finish(seq, "stop")
+
+    def _advance_grammars_by_runs(self, samples: Seq[Sample], lengths: Seq[int], errors: dict[str, str]) -> None:
+        """Each constrained sample's matcher takes the tokens its verified run appended; a grammar that ends
+        inside the run ends its sample there (stop), and the tokens after it are not output."""
+        for seq, length in zip(samples, lengths):
+            if seq.request.request_id in errors:
+                continue
+            for end in range(length + 1, len(seq.token_ids) + 1):
+                try:
+                    ended = self.structured.accept(seq, seq.token_ids[end - 1])
+                except ValueError as error:
+                    errors[seq.request.request_id] = str(error)
+                    self._fail(seq.request, str(error))
+                    break
+                if ended is None:
+                    break
+                if ended:
+                    if end < len(seq.token_ids):  # the run went on past the grammar's end: not output
+                        del seq.token_ids[end:]
+                        seq.finish_reason = "stop" if seq.is_finished else seq.finish_reason
+                    if not seq.is_finished:
+                        self.scheduler.finish(seq, "stop")
+                    break
 
     def _fail(self, request: Request, message: str) -> None:
         """End every sample of ``request`` because it faulted; the rest of the batch carries on."""
@@ -540,6 +526,9 @@ class LLMEngine:
         self.outputs.add(seq)
         if params.structured_outputs is not None:
             self.structured.track(seq)
+
+    def _generator_of(self, seq: Sample) -> torch.Generator | None:
+        return self._rows[seq.seq_id].generator
 
     def _sampling_row(self, seq: Sample) -> SamplingRow:
         row = self._rows[seq.seq_id]

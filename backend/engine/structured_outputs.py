@@ -155,6 +155,42 @@ class StructuredOutputs:
                              "constraint (nothing it allows could be sampled)")
         return matcher.is_terminated()
 
+    # ---- speculative decoding: drafts checked against the grammar, verified positions masked ----
+
+    def num_valid_drafts(self, seq: Sample, drafts: Seq[int]) -> int:
+        """How many leading ``drafts`` the grammar allows after ``seq``'s tokens (all for an unconstrained one);
+        the matcher is left as it was."""
+        entry = self._matchers.get(seq.seq_id)
+        if entry is None:
+            return len(drafts)
+        matcher = entry[0]
+        valid = 0
+        while valid < len(drafts) and not matcher.is_terminated() and matcher.accept_token(drafts[valid]):
+            valid += 1
+        if valid:
+            matcher.rollback(valid)
+        return valid
+
+    def mask_positions(self, logits: torch.Tensor, seq: Sample, first_row: int, drafts: Seq[int]) -> None:
+        """Mask (in place) rows ``first_row ..`` of ``logits``, the positions ``seq`` verifies, each to what the
+        grammar allows after the drafts before it; the matcher is left as it was."""
+        entry = self._matchers.get(seq.seq_id)
+        if entry is None:
+            return
+        matcher = entry[0]
+        if self._bitmask is None:
+            self._bitmask = GrammarBitmask(self._vocab_size, self._max_rows)
+        accepted = 0
+        for position in range(len(drafts) + 1):
+            if matcher.is_terminated():  # the grammar ended at a drafted stop token, where the run is cut
+                break
+            self._bitmask.apply(logits, [first_row + position], [matcher])
+            if position == len(drafts) or not matcher.accept_token(drafts[position]):
+                break  # drafts were checked when proposed: a refusal here leaves the rest to be rejected
+            accepted += 1
+        if accepted:
+            matcher.rollback(accepted)
+
     @staticmethod
     def _new_matcher(grammar: xgr.CompiledGrammar) -> tuple[xgr.GrammarMatcher, xgr.CompiledGrammar]:
         return xgr.GrammarMatcher(grammar), grammar

@@ -22,8 +22,9 @@ from pagedllm.models.loader import checkpoint_files
 from pagedllm.layers.quantization import checkpoint_kv_cache_scales
 from pagedllm.distributed.group import SINGLE
 from pagedllm.executor.workers import LoadSpec, RunnerSpec, WorkerGroup, check_size
-from pagedllm.attention.backends import attention_backend_named, select_attention_backend
+from pagedllm.attention.backends import AttentionBackend, attention_backend_named, select_attention_backend
 from pagedllm.attention.kv_quant import prepare_kv_cache
+from pagedllm.worker.draft_proposer import check_draft_checkpoint, draft_model_dir
 from pagedllm.worker.model_runner import BatchLimits, ModelRunner, kv_budget_bytes
 
 
@@ -37,6 +38,7 @@ class DeviceSide:
     runner: ModelRunner
     lora: LoRAManager | None
     workers: WorkerGroup | None  # ranks 1..tp-1; None at tensor_parallel_size=1
+    draft_runner: ModelRunner | None = None  # the draft model's (speculative_config method draft_model)
 
 
 def engine_device(config: EngineConfig) -> torch.device:
@@ -79,7 +81,9 @@ def set_up_device_side(config: EngineConfig, model_dir: Path) -> DeviceSide:
             checkpoint_kv_cache_scales(model_dir, checkpoint_files(model_dir), model.num_layers),
             config.calculate_kv_scales)
         max_model_len = _max_model_len(model, config.max_model_len)
-        num_blocks = _num_kv_blocks(config, model, kv_cache_dtype, max_model_len, device)
+        draft = _load_draft(config, model_dir, model, dtype, device, attention, max_model_len)
+        draft_block_bytes = 0 if draft is None else ModelRunner.bytes_per_block(draft, config.block_size, dtype)
+        num_blocks = _num_kv_blocks(config, model, kv_cache_dtype, max_model_len, device, draft_block_bytes)
         if workers is not None:
             workers.send(RunnerSpec(num_blocks, max_model_len))
         lora = (LoRAManager(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras)
@@ -87,18 +91,32 @@ def set_up_device_side(config: EngineConfig, model_dir: Path) -> DeviceSide:
         limits = BatchLimits(config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
         runner = ModelRunner(model, attention, num_blocks, config.block_size, kv_cache_dtype, device, limits,
                              cuda_graphs=config.cuda_graphs, lora=lora)
+        # The draft's K/V caches have the target's blocks, so the target's block tables index both.
+        draft_runner = None if draft is None else ModelRunner(draft, attention, num_blocks, config.block_size,
+                                                              dtype, device, limits)
     except BaseException:
         if workers is not None:
             workers.close()
         raise
-    return DeviceSide(dtype, model, kv_cache_dtype, max_model_len, num_blocks, runner, lora, workers)
+    return DeviceSide(dtype, model, kv_cache_dtype, max_model_len, num_blocks, runner, lora, workers, draft_runner)
+
+
+def _load_draft(config: EngineConfig, model_dir: Path, model: CausalLM, dtype: torch.dtype, device: torch.device,
+                attention: AttentionBackend, max_model_len: int) -> CausalLM | None:
+    """The draft model of ``speculative_config`` method draft_model, checked against the target; else None."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    draft_dir = draft_model_dir(spec.model, model_dir, config.revision)
+    check_draft_checkpoint(draft_dir, model_dir, model.vocab_size, max_model_len)
+    return load_model(draft_dir, dtype, device, attention)
 
 
 def _num_kv_blocks(config: EngineConfig, model: CausalLM, kv_cache_dtype: torch.dtype, max_model_len: int,
-                   device: torch.device) -> int:
+                   device: torch.device, draft_block_bytes: int = 0) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = ModelRunner.bytes_per_block(model, config.block_size, kv_cache_dtype)
+    per_block = ModelRunner.bytes_per_block(model, config.block_size, kv_cache_dtype) + draft_block_bytes
     # Never reserve more than every sequence at full length could ever use.
     enough = config.max_num_seqs * -(-max_model_len // config.block_size)
     # Every rank holds the same blocks, so the cache is as large as the smallest rank's budget allows.

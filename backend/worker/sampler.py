@@ -196,6 +196,28 @@ def apply_suppression(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None
 
 def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then one draw per row; ``logits`` is a private copy."""
+    probs = _filtered_probs(logits, rows)
+    device = logits.device
+    vocab = logits.shape[1]
+    # Gumbel-max in exponential form: argmax(p / E) with E ~ Exp(1) is a draw from p. E is drawn as
+    # -log(U), U ~ uniform: torch's CPU exponential_ is ~3-6x slower than uniform_ + log_ (2048-32000
+    # entries, 1 thread), and seeded rows draw one vocabulary-wide row each per step.
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+    if unseeded:
+        if len(unseeded) == len(rows):
+            noise.uniform_()
+        else:
+            shared = torch.empty(len(unseeded), vocab, dtype=probs.dtype, device=device).uniform_()
+            noise[_index(unseeded, device)] = shared
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            noise[i].uniform_(generator=row.generator)
+    return _argmax(probs / noise.log_().neg_())
+
+
+def _filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """The distribution each row draws from: temperature, top-k, top-p, min-p; ``logits`` is a private copy."""
     device = logits.device
     vocab = logits.shape[1]
     temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=device)
@@ -224,23 +246,21 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         probs = logits.softmax(dim=-1)
         threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits.softmax(dim=-1)
 
-    probs = logits.softmax(dim=-1)
-    # Gumbel-max in exponential form: argmax(p / E) with E ~ Exp(1) is a draw from p. E is drawn as
-    # -log(U), U ~ uniform: torch's CPU exponential_ is ~3-6x slower than uniform_ + log_ (2048-32000
-    # entries, 1 thread), and seeded rows draw one vocabulary-wide row each per step.
-    noise = torch.empty_like(probs)
-    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-    if unseeded:
-        if len(unseeded) == len(rows):
-            noise.uniform_()
-        else:
-            shared = torch.empty(len(unseeded), vocab, dtype=probs.dtype, device=device).uniform_()
-            noise[_index(unseeded, device)] = shared
-    for i, row in enumerate(rows):
-        if row.generator is not None:
-            noise[i].uniform_(generator=row.generator)
-    return _argmax(probs / noise.log_().neg_())
+
+def target_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """The distribution the sampler draws each row's token from (penalties, suppression, temperature and the
+    filters applied), for rows that are not greedy: what rejection sampling calls ``p``."""
+    work = logits.float().clone()
+    apply_penalties(work, rows)
+    apply_suppression(work, rows)
+    return _filtered_probs(work, rows)
+
+
+def with_logprobs(raw: torch.Tensor, token_ids: Sequence[int], rows: Sequence[SamplingRow]) -> list[SampledToken]:
+    """``token_ids`` (one per row, chosen elsewhere) as the sampler reports them, logprobs included."""
+    return _results(raw.float(), torch.tensor(token_ids, dtype=torch.long, device=raw.device), rows)
 
 
 def _results(raw: torch.Tensor, chosen: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:

@@ -1,0 +1,203 @@
+"""Draft-model proposals: a smaller checkpoint with the target's tokenizer guesses the next ``k`` tokens.
+
+The draft runs in its own ``ModelRunner`` (its own K/V caches, as many blocks as the target's) and
+is indexed by the target's block tables: a sequence's draft K/V sits at the same block ids and
+slots as its target K/V, so the scheduler's blocks hold both and a draft block is freed with the
+request's blocks. Each call first catches the draft up on every token its sequences gained since
+the last call (a prompt chunk the target just prefilled, the verified run and the target's new
+token), in one forward over all of them, which also gives the first draft's logits; then ``k - 1``
+one-token steps feed each draft back. The draft writes K/V for its own guesses beyond the last
+token; those slots are rewritten by the target's next step, and only tokens the target has
+committed count as caught up.
+
+A sequence starts from nothing, even after a prefix-cache hit: a cached block's draft K/V may never
+have been written (the draft runs only for steps that speculate), so the draft recomputes the
+prefix itself, rewriting the shared block's draft slots with the same values. Preempted and
+finished sequences are forgotten.
+
+Each draft is drawn from ``q``: the draft's argmax for a greedy request, else its softmax at the
+request's temperature, with the sample's own generator. The rows of ``q`` are returned for the
+rejection sampler.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.core.model_source import DEFAULT_MODEL_DIR, resolve_model_dir
+from pagedllm.core.request import Sample
+from pagedllm.worker.input_batch import StepInputs
+from pagedllm.worker.model_runner import ModelRunner
+
+DEFAULT_DRAFT_DIR = DEFAULT_MODEL_DIR / "draft"
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRequest:
+    """One sequence to propose for: how many drafts it may take and how to draw them."""
+
+    seq: Sample
+    max_drafts: int  # 0: only catch up (the sequence is mid-prefill or has no room)
+    temperature: float  # 0: greedy
+    generator: torch.Generator | None
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    token_ids: list[int]
+    probs: torch.Tensor | None  # float32 [len(token_ids), vocab]: q at each draft; None for greedy (one-hot)
+
+
+def draft_model_dir(model: str | None, target_dir: Path, revision: str | None) -> Path:
+    """``speculative_config.model``'s folder; unset, the draft shipped beside the embedded default model."""
+    if model is not None:
+        return resolve_model_dir(model, revision, field="speculative_config.model")
+    if target_dir.resolve() == DEFAULT_MODEL_DIR.resolve():
+        return DEFAULT_DRAFT_DIR
+    raise ValueError("speculative_config.model is required with method 'draft_model' (only the embedded default "
+                     "model ships a draft)")
+
+
+def check_draft_checkpoint(draft_dir: Path, target_dir: Path, target_vocab_size: int, max_model_len: int) -> None:
+    """Refuse, naming the field, a draft that cannot propose for the target."""
+    config = AutoConfig.from_pretrained(draft_dir)
+    if config.vocab_size != target_vocab_size:
+        raise ValueError(f"speculative_config.model={str(draft_dir)!r} has vocab_size {config.vocab_size}, the "
+                         f"target has {target_vocab_size}: the draft must share the target's vocabulary")
+    if AutoTokenizer.from_pretrained(draft_dir).get_vocab() != AutoTokenizer.from_pretrained(target_dir).get_vocab():
+        raise ValueError(f"speculative_config.model={str(draft_dir)!r} has a tokenizer different from the "
+                         "target's: drafted token ids would mean other text")
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and limit < max_model_len:
+        raise ValueError(f"speculative_config.model={str(draft_dir)!r} allows contexts of {limit} tokens, fewer "
+                         f"than the target's max_model_len={max_model_len}: lower max_model_len or use a draft "
+                         "with a longer context")
+
+
+class DraftProposer:
+    def __init__(self, runner: ModelRunner, num_speculative_tokens: int, max_num_batched_tokens: int) -> None:
+        self.runner = runner
+        self.k = num_speculative_tokens
+        self.block_size = runner.block_size
+        self.device = runner.device
+        self.max_tokens = max_num_batched_tokens
+        self._caught_up: dict[int, int] = {}  # seq id -> leading tokens whose draft K/V is written
+
+    def propose(self, requests: Seq[DraftRequest]) -> list[Proposal]:
+        """Catch every sequence up to its committed tokens; then up to ``max_drafts`` drafts each."""
+        # The newest token's K/V needs a slot, which a sequence without room to draft may not have yet.
+        ends = [len(r.seq.token_ids) if self._room(r) > 0 else r.seq.num_computed_tokens for r in requests]
+        first = self._catch_up(requests, ends)
+        drafting = [i for i, r in enumerate(requests) if first[i] is not None and self._room(r) > 0]
+        tokens: dict[int, list[int]] = {i: [] for i in drafting}
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i in drafting}
+        logits = torch.stack([first[i] for i in drafting]) if drafting else None
+        step = 0
+        while drafting and logits is not None:
+            for i, (token, q) in zip(drafting, self._draw(logits, [requests[i] for i in drafting])):
+                tokens[i].append(token)
+                if q is not None:
+                    probs[i].append(q)
+            step += 1
+            drafting = [i for i in drafting if len(tokens[i]) < self._room(requests[i])]
+            if drafting:
+                logits = self._decode([requests[i].seq for i in drafting], [tokens[i][-1] for i in drafting], step)
+        return [Proposal(tokens.get(i, []), torch.stack(probs[i]) if probs.get(i) else None)
+                for i in range(len(requests))]
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        """Forget sequences that finished or were preempted (their blocks, and so their draft K/V, are gone)."""
+        for seq_id in seq_ids:
+            self._caught_up.pop(seq_id, None)
+
+    def _room(self, request: DraftRequest) -> int:
+        """Drafts ``request`` may take: each but the last writes draft K/V after its last token, which must
+        land in a block the sequence holds (the scheduler allocates lookahead slots for speculating ones)."""
+        seq = request.seq
+        capacity = len(seq.block_ids) * self.block_size
+        return max(0, min(request.max_drafts, self.k, capacity - (len(seq.token_ids) - 1)))
+
+    def _catch_up(self, requests: Seq[DraftRequest], ends: Seq[int]) -> list[torch.Tensor | None]:
+        """Forward every sequence's tokens from where its draft K/V ends to ``ends``, chunked to the token
+        budget; returns the logits after each one's last token (None when it had nothing to catch up)."""
+        last: list[torch.Tensor | None] = [None] * len(requests)
+        pending = [(i, self._caught_up.get(r.seq.seq_id, 0), end) for i, (r, end) in enumerate(zip(requests, ends))]
+        pending = [(i, start, end) for i, start, end in pending if start < end]
+        while pending:
+            budget = self.max_tokens
+            chunks: list[tuple[int, int, int]] = []
+            rest: list[tuple[int, int, int]] = []
+            for i, start, end in pending:
+                take = min(end - start, budget)
+                if take > 0:
+                    chunks.append((i, start, start + take))
+                    budget -= take
+                if start + take < end:
+                    rest.append((i, start + take, end))
+            seqs = [requests[i].seq for i, _, _ in chunks]
+            logits = self._forward(seqs, [(start, stop) for _, start, stop in chunks])
+            for row, (i, _, stop) in enumerate(chunks):
+                self._caught_up[requests[i].seq.seq_id] = stop
+                if stop == ends[i]:
+                    last[i] = logits[row]
+            pending = rest
+        return last
+
+    def _decode(self, seqs: Seq[Sample], token_ids: Seq[int], step: int) -> torch.Tensor:
+        """Feed each sequence's latest draft, ``step`` positions after its last token."""
+        spans = [(len(seq.token_ids) - 1 + step, len(seq.token_ids) + step) for seq in seqs]
+        return self._forward(seqs, spans, token_ids)
+
+    def _forward(self, seqs: Seq[Sample], spans: Seq[tuple[int, int]],
+                 token_ids: Seq[int] | None = None) -> torch.Tensor:
+        """Draft logits after the last token of each ``seqs[i]``'s positions ``spans[i]``; the tokens are the
+        sequences' own (or ``token_ids``, one per sequence, beyond them)."""
+        bs = self.block_size
+        lengths = np.array([stop - start for start, stop in spans], dtype=np.int64)
+        query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int32)
+        np.cumsum(lengths, out=query_start_loc[1:])
+        positions = np.concatenate([np.arange(start, stop, dtype=np.int64) for start, stop in spans])
+        if token_ids is None:
+            ids = [t for seq, (start, stop) in zip(seqs, spans) for t in seq.token_ids[start:stop]]
+        else:
+            ids = list(token_ids)
+        width = max(len(seq.block_ids) for seq in seqs)
+        table = np.zeros((len(seqs), width), dtype=np.int32)
+        for row, seq in enumerate(seqs):
+            table[row, : len(seq.block_ids)] = seq.block_ids
+        owner = np.repeat(np.arange(len(seqs)), lengths)
+        slots = table[owner, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = np.array([stop for _, stop in spans], dtype=np.int32)
+        put = self._to_device
+        attn = AttentionMetadata(query_start_loc=put(query_start_loc), seq_lens=put(seq_lens),
+                                 block_table=put(table), slot_mapping=put(slots),
+                                 max_query_len=int(lengths.max()), max_seq_len=int(seq_lens.max()))
+        inputs = StepInputs(put(np.array(ids, dtype=np.int64)), put(positions), attn,
+                            put(query_start_loc[1:].astype(np.int64) - 1))
+        logits = self.runner.run(inputs, ())
+        if logits is None:
+            raise RuntimeError("the draft model returned no logits")
+        return logits.float()
+
+    def _draw(self, logits: torch.Tensor, requests: Seq[DraftRequest]) -> list[tuple[int, torch.Tensor | None]]:
+        greedy = logits.argmax(dim=-1).tolist()
+        drawn: list[tuple[int, torch.Tensor | None]] = []
+        for row, request in enumerate(requests):
+            if request.temperature == 0.0:
+                drawn.append((greedy[row], None))
+                continue
+            q = (logits[row] / request.temperature).softmax(dim=-1)
+            token = int(torch.multinomial(q, 1, generator=request.generator))
+            drawn.append((token, q))
+        return drawn
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)

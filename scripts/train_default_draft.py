@@ -1,0 +1,217 @@
+"""Train the draft model that speculates for pagedllm's embedded default model.
+
+The draft shares the default model's tokenizer (loaded from the shipped
+checkpoint, not retrained) and its corpus: the running interpreter's stdlib
+``.py`` sources with the same modules held out, and the same next-token loss.
+(Distilling from the target's distribution would suit acceptance better, but
+the target's forward makes each step about three times dearer, more than a
+shared 2-core host gives in the time allowed.) It is small where it counts on
+a CPU, few layers, since every drafted token costs one draft forward; it starts
+as an early exit of the target (its embeddings, first layer with the MLP cut to half its width, and
+final norm), with tied embeddings to stay under a quarter of the target's parameters. The number of
+steps is fixed so reruns match; the held-out argmax agreement with the target
+is recorded, the greedy acceptance rate per drafted token it predicts.
+
+    nice -n 15 python scripts/train_default_draft.py    # ~10 min on 2 shared CPU cores
+
+Writes to ``backend/default_model/draft/``: bf16 safetensors, config,
+generation config, tokenizer and ``training.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from train_default_model import HELD_OUT_MODULES, _portable, greedy_samples, mean_loss, pack
+from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
+
+from pagedllm.testing.tokenizer_training import python_stdlib_texts
+
+REPO = Path(__file__).resolve().parent.parent
+TARGET = REPO / "backend" / "default_model"
+
+
+@dataclass(frozen=True, slots=True)
+class DraftArgs:
+    target: Path
+    out_dir: Path
+    steps: int
+    batch_size: int
+    seq_len: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    lr: float
+    min_lr_rate: float
+    warmup_steps: int
+    weight_decay: float
+    grad_clip: float
+    eval_every: int
+    seed: int
+    threads: int
+    init_from_target: bool
+
+
+def parse_args() -> DraftArgs:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", type=Path, default=TARGET)
+    p.add_argument("--out-dir", type=Path, default=TARGET / "draft")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--num-heads", type=int, default=8)
+    p.add_argument("--num-kv-heads", type=int, default=2)
+    p.add_argument("--intermediate-size", type=int, default=384)
+    p.add_argument("--no-init-from-target", dest="init_from_target", action="store_false",
+                   help="start from random weights instead of the target's first layers")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--min-lr-rate", type=float, default=0.1)
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    args = DraftArgs(**vars(p.parse_args()))
+    for name in ("steps", "batch_size", "seq_len", "eval_every", "threads"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    return args
+
+
+@torch.no_grad()
+def agreement(draft: LlamaForCausalLM, target: LlamaForCausalLM, chunks: torch.Tensor, batch_size: int) -> float:
+    """Fraction of positions where the draft's argmax equals the target's: greedy acceptance per token."""
+    draft.eval()
+    same, count = 0, 0
+    for start in range(0, len(chunks), batch_size):
+        batch = chunks[start : start + batch_size]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            same += int((draft(input_ids=batch).logits.argmax(-1) == target(input_ids=batch).logits.argmax(-1)).sum())
+        count += batch.numel()
+    draft.train()
+    return same / count
+
+
+@torch.no_grad()
+def init_from_target(draft: LlamaForCausalLM, target: LlamaForCausalLM) -> None:
+    """Start from the target's embeddings, its first layers and final norm, each MLP cut to the draft's width
+    (its first channels): the draft then begins as an early exit of the target instead of from noise."""
+    if draft.config.hidden_size != target.config.hidden_size:
+        raise SystemExit("--init-from-target needs the target's hidden size")
+    draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+    draft.model.norm.weight.copy_(target.model.norm.weight)
+    width = draft.config.intermediate_size
+    for mine, theirs in zip(draft.model.layers, target.model.layers):
+        for name, tensor in theirs.state_dict().items():
+            if name.startswith("mlp."):
+                tensor = tensor[:, :width] if name == "mlp.down_proj.weight" else tensor[:width]
+            mine.state_dict()[name].copy_(tensor)
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    started = time.time()
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    target = LlamaForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    for parameter in target.parameters():
+        parameter.requires_grad_(False)
+    train_texts = python_stdlib_texts(exclude=HELD_OUT_MODULES)
+    held_out_texts = python_stdlib_texts(include=HELD_OUT_MODULES)
+    random.Random(args.seed).shuffle(train_texts)
+    train = pack(tokenizer, train_texts, args.seq_len)
+    held_out = pack(tokenizer, held_out_texts, args.seq_len)
+    print(f"train: {train.numel():,} tokens; held out: {held_out.numel():,} tokens", flush=True)
+
+    eot = tokenizer.eos_token_id
+    config = LlamaConfig(
+        vocab_size=target.config.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads,
+        max_position_embeddings=target.config.max_position_embeddings,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        pad_token_id=eot,
+        tie_word_embeddings=True,
+    )
+    draft = LlamaForCausalLM(config)
+    if args.init_from_target:
+        init_from_target(draft, target)
+    num_params = sum(p.numel() for p in draft.parameters())
+    target_params = sum(p.numel() for p in target.parameters())
+    if num_params * 4 > target_params:
+        raise SystemExit(f"the draft has {num_params:,} parameters, more than a quarter of {target_params:,}")
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    schedule = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, args.warmup_steps, args.steps, min_lr_rate=args.min_lr_rate
+    )
+    eval_chunks = held_out[:16]
+    eval_log: list[tuple[int, float, float]] = []
+    order_rng = torch.Generator().manual_seed(args.seed)
+    order = torch.randperm(len(train), generator=order_rng)
+    cursor = 0
+    draft.train()
+    for step in tqdm(range(1, args.steps + 1), desc="train", mininterval=10):
+        if cursor + args.batch_size > len(order):
+            order, cursor = torch.randperm(len(train), generator=order_rng), 0
+        batch = train[order[cursor : cursor + args.batch_size]]
+        cursor += args.batch_size
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = draft(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), args.grad_clip)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % args.eval_every == 0 or step == args.steps:
+            eval_log.append((step, mean_loss(draft, eval_chunks, args.batch_size, bf16=True),
+                             agreement(draft, target, eval_chunks, args.batch_size)))
+            tqdm.write(f"step {step} train {loss.item():.3f} held-out ce {eval_log[-1][1]:.3f} "
+                       f"argmax agreement {eval_log[-1][2]:.3f} elapsed {time.time() - started:.0f}s")
+    train_seconds = time.time() - started
+
+    draft = draft.to(torch.bfloat16)
+    draft.generation_config = GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    draft.save_pretrained(args.out_dir)
+    tokenizer.save_pretrained(args.out_dir)
+    shipped = LlamaForCausalLM.from_pretrained(args.out_dir, dtype=torch.float32)
+    record = {
+        "target": _portable(args.target),
+        "held_out_modules": list(HELD_OUT_MODULES),
+        "num_parameters": num_params,
+        "target_num_parameters": target_params,
+        "held_out_loss": mean_loss(shipped, held_out, args.batch_size, bf16=False),
+        "held_out_argmax_agreement_with_target": agreement(shipped, target, held_out, args.batch_size),
+        "train_seconds": round(train_seconds),
+        "args": {k: _portable(v) for k, v in asdict(args).items()},
+        "samples": greedy_samples(shipped, tokenizer),
+        "eval_log": eval_log,
+    }
+    record["held_out_perplexity"] = math.exp(record["held_out_loss"])
+    (args.out_dir / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in record.items() if k != "eval_log"}, indent=2), flush=True)
+
+
+if __name__ == "__main__":
+    main()
