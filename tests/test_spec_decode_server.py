@@ -52,7 +52,7 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
     env = {**os.environ, "TMPDIR": str(scratch), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", str(DEFAULT_MODEL_DIR),
                "--served-model-name", "default", "--speculative-config", json.dumps(SPEC),
-               "--engine-arg", "device=cpu", "--host", "127.0.0.1", "--grpc-port", str(grpc), "--http-port", str(http),
+               "--engine-arg", "device=cpu", "--engine-arg", "dtype=float32", "--host", "127.0.0.1", "--grpc-port", str(grpc), "--http-port", str(http),
                "--metrics-port", str(metrics), "--openai-port", str(port)]
     # From a neutral folder: nothing in the repository root shadows an installed package.
     process = subprocess.Popen(command, env=env, cwd=scratch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -86,7 +86,7 @@ def settled_metrics(url: str, timeout_s: float = 30.0) -> str:
 @pytest.fixture(scope="module")
 def offline() -> list[str]:
     """The greedy texts without speculation."""
-    outs = LLM(device="cpu").generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    outs = LLM(device="cpu", dtype="float32").generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
     return [out.outputs[0].text for out in outs]
 
 
