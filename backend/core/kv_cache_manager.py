@@ -158,9 +158,15 @@ class KVCacheManager:
         seq.block_ids = []
         seq.block_hashes = []
 
-    def cache_full_blocks(self, seq: Sample) -> None:
-        """Publish the content hash of every block of ``seq`` that is now full and computed."""
-        num_full = seq.num_computed_tokens // self.block_size
+    def cache_full_blocks(self, seq: Sample, num_computed: int | None = None) -> None:
+        """Publish the content hash of every block of ``seq`` that is full and computed: within its first
+        ``num_computed`` tokens (default ``seq.num_computed_tokens``).
+
+        The scheduler passes the tokens a prefill chunk will have computed once the step it was just scheduled
+        in ends: a request admitted later in the same step then matches those blocks, and its attention reads
+        them in the same forward, after each layer has written the step's keys and values (as vLLM does).
+        """
+        num_full = (seq.num_computed_tokens if num_computed is None else num_computed) // self.block_size
         if not self.enable_prefix_caching or num_full <= len(seq.block_hashes):  # most steps fill no block
             return
         run: list[Block] = []  # newly cached consecutive blocks, one BlockStored event each run

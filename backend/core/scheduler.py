@@ -12,6 +12,12 @@ engine, the null-model engine and the property tests all call it): computed
 tokens advance, full blocks are published to the prefix cache, sampled tokens
 are appended, token-level stops are checked and finished sequences freed.
 
+A prefill chunk's full blocks are published when it is scheduled, not after its step: a
+request admitted behind it in the same step that shares the prompt's start adopts them and
+computes only the rest, reading them in the same forward (each layer writes the step's keys
+and values before any sequence attends). Without this, a burst of requests sharing a prefix
+computes that prefix once per request admitted together.
+
 Speculative decoding: a decoding sequence holding proposals (``Sample.spec_token_ids``)
 is scheduled its last token plus as many drafted tokens as the budget allows; they take
 ordinary KV slots and count against the token budget. Short of blocks, the drafts are
@@ -183,6 +189,8 @@ class Scheduler:
                 scheduled.append(ScheduledSequence(seq, num_tokens + len(drafts), drafts))
                 budget -= num_tokens + len(drafts)
                 num_drafted += len(drafts)
+                if num_tokens > 1:  # a prefill chunk: its blocks are matched by requests admitted below
+                    self.kv.cache_full_blocks(seq, seq.num_computed_tokens + num_tokens)
             index += 1
 
         if not self.running:
@@ -318,6 +326,8 @@ class Scheduler:
             self._reserved_forks += forks
             scheduled.append(ScheduledSequence(seq, num_tokens))
             budget -= num_tokens
+            # Requests behind it that share its prompt's start match these blocks in this same step.
+            self.kv.cache_full_blocks(seq, seq.num_computed_tokens + num_tokens)
         self.waiting.extendleft(reversed(skipped))
 
     def _schedule_beams(self, index: int, budget: int, scheduled: list[ScheduledSequence],
