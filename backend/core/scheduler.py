@@ -212,6 +212,7 @@ class Scheduler:
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(out.samples)} samples")
         if len(beam_candidates) != len(out.beams):
             raise ValueError(f"{len(beam_candidates)} candidate lists for {len(out.beams)} beam groups")
+        self.kv.step_computed()
         cache_full_blocks = self.kv.cache_full_blocks
         for item in out.scheduled:
             seq = item.seq
@@ -242,6 +243,19 @@ class Scheduler:
             # Forks take the places of the beams they replace, so every group stays side by side.
             self.running[:] = [placed for seq in self.running for placed in places.get(seq, (seq,))]
         return finished
+
+    def abandon_step(self, out: SchedulerOutput) -> None:
+        """``out``'s forward failed: nothing it scheduled was computed. The blocks published ahead of it are
+        forgotten, and the sequences admitted in it that adopted one of them (the newest running ones) are
+        preempted to recompute; the others stand as they were scheduled, to compute the same tokens again."""
+        forgotten = self.kv.forget_uncomputed()
+        block_size = self.kv.block_size
+
+        def adopts(seq: Sample) -> bool:
+            return any(block in forgotten for block in seq.block_ids[: seq.num_computed_tokens // block_size])
+
+        while forgotten and any(adopts(seq) for seq in self.running):
+            self._preempt_last()
 
     def _append_verified(self, seq: Sample, token_ids: Seq[int]) -> bool:
         """Append a verified run up to its first stop; the KV of its accepted drafts counts as computed.
