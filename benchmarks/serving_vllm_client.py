@@ -42,6 +42,7 @@ from pagedllm_bench.vllm_cpu import build_vllm_venv, vllm_env
 from pagedllm.platform.processes import free_port
 
 SERVED_NAME = "llm"
+MAX_MODEL_LEN = 1024  # the tiny checkpoints' positions
 START_TIMEOUT_S = 600.0  # vllm serve compiles its model on a CPU first: minutes on a busy host
 SERVERS = ("pagedllm", "vllm")
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
@@ -89,7 +90,10 @@ def run(args: argparse.Namespace) -> None:
     shape = serving_datasets.shape_of(args)
     venv_python = build_vllm_venv()
     model_dir = bench_model("tiny", args.arch)
-    max_model_len = 1024 if shape.longest_request() <= 1024 else 2048
+    max_model_len = MAX_MODEL_LEN
+    if shape.longest_request() > max_model_len:
+        raise SystemExit(f"{shape.describe()}: a request can reach {shape.longest_request()} tokens, over the "
+                         f"tiny checkpoint's {max_model_len} positions; shorten the lengths or --turns")
     report.set_threads(args.threads)
     info = report.machine()
     print(report.header("pagedllm bench serving --client vllm", info))
