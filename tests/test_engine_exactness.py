@@ -21,6 +21,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import full_run
+
 from pagedllm import LLM, SamplingParams
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -122,3 +124,17 @@ def test_prefix_cache_hits_yet_matches(arch: str, tiny_model_dir: Callable[[str]
     llm = LLM(model=str(model_dir), dtype="float32", max_num_seqs=2)
     assert_matches_reference(model_dir, prompts, generate(llm, prompts))
     assert llm.stats().prefix_cache_hit_tokens > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS if full_run.full() else ("qwen3",))
+def test_prefix_computed_in_the_same_step_is_shared_yet_matches(arch: str,
+                                                                tiny_model_dir: Callable[[str], Path]) -> None:
+    """A 200-token step budget: the first prompt of each system prompt computes it (the second in two chunks),
+    and the prompts admitted beside it adopt its blocks in the step that computes them, attending to them in
+    that same forward."""
+    model_dir = tiny_model_dir(arch)
+    prompts = shared_prefix_prompts(seed=2)
+    llm = LLM(model=str(model_dir), dtype="float32", max_num_seqs=8, max_num_batched_tokens=200)
+    assert_matches_reference(model_dir, prompts, generate(llm, prompts))
+    # Every prompt but the first of each system prompt finds that prompt's full blocks.
+    assert llm.stats().prefix_cache_hit_tokens == 3 * (64 + 144)

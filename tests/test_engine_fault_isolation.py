@@ -93,6 +93,39 @@ def test_an_unattributable_fault_raises_and_the_engine_serves_afterwards(llm: LL
     assert llm.generate({"prompt_token_ids": prompt(4)}, GREEDY)[0].outputs[0].token_ids == expected
 
 
+def test_a_failed_step_leaves_no_uncomputed_prefix_block_to_adopt(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two requests sharing a 48-token prefix are admitted in one step, the second adopting the blocks the
+    first publishes for that step. The step's forward fails and the first is aborted: the second must not
+    attend to blocks that were never written, nor may a later request match them."""
+    engine = llm.engine
+    shared = prompt(9, 48)
+    second, later = shared + prompt(10, 5), shared + prompt(11, 7)
+    expected = [out.outputs[0].token_ids for out in llm.generate(
+        [{"prompt_token_ids": p} for p in (second, later)], GREEDY)]
+    engine.kv.reset_prefix_cache()
+    execute = engine.runner.execute
+    calls = iter([True])
+
+    def failing_once(step):  # type: ignore[no-untyped-def]
+        if next(calls, False):
+            raise RuntimeError("device lost")
+        return execute(step)
+
+    monkeypatch.setattr(engine.runner, "execute", failing_once)
+    engine.add_request("first", shared + prompt(12, 6), GREEDY)
+    engine.add_request("second", second, GREEDY)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    engine.abort_request("first")
+    engine.add_request("later", later, GREEDY)
+    outputs: dict[str, list[int]] = {}
+    for out in run_all(llm):
+        for delta in out.outputs:
+            outputs.setdefault(out.request_id, []).extend(delta.token_ids)
+    assert [outputs["second"], outputs["later"]] == [list(tokens) for tokens in expected]
+    assert llm.stats().num_blocks_free == llm.stats().num_blocks_total
+
+
 def test_forced_prefix_key_collisions_never_reuse_other_tokens(model_dir: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     plain = LLM(model=str(model_dir), dtype="float32", max_model_len=256, enable_prefix_caching=False)

@@ -9,7 +9,10 @@ and die in random patterns; their beams must run, wait and be preempted as one
 unit, side by side in the queues. After every operation the block pool must
 balance: free + referenced = total, each block's ref count equals the number
 of block tables holding it, no block is both free and referenced, and no more
-than ``max_num_seqs`` sequences run.
+than ``max_num_seqs`` sequences run. Each step also stands in for a forward on a
+cache of token ids: copies, then every scheduled token written to its slot; then
+each scheduled sequence's blocks must hold its own tokens up to where it computes,
+prefix-cache hits included (blocks adopted in the step that computes them too).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ class Harness:
     def __init__(self, num_blocks: int, budget: int, max_seqs: int, prefix_caching: bool) -> None:
         self.engine = NullEngine(num_blocks, BLOCK_SIZE, max_seqs, budget, enable_prefix_caching=prefix_caching)
         self.requests: list[Request] = []
+        self.cache: dict[int, dict[int, int]] = {}  # block id -> slot -> the token whose KV it holds
         self.budget = budget
         self.max_seqs = max_seqs
 
@@ -49,12 +53,29 @@ class Harness:
     def step(self, tokens: list[int]) -> SchedulerOutput:
         scheduler = self.engine.scheduler
         out = scheduler.schedule()
+        self.forward(out)
         sampled = [tokens[i % len(tokens)] for i in range(len(out.samples))]
         candidates = [random_candidates(batch.request, tokens) for batch in out.beams]
         for batch in out.beams:
             assert list(batch.beams) == batch.request.beams, "a beam group samples only whole"
         scheduler.update_from_output(out, sampled, candidates)
         return out
+
+    def forward(self, out: SchedulerOutput) -> None:
+        """Write the step's tokens as a forward writes keys and values (after its block copies), then check
+        that every scheduled sequence attends to its own tokens."""
+        for source, destination in out.block_copies:
+            self.cache[destination] = dict(self.cache.get(source, {}))
+        for item in out.scheduled:
+            seq = item.seq
+            for position in range(seq.num_computed_tokens, seq.num_computed_tokens + item.num_tokens):
+                self.cache.setdefault(seq.block_ids[position // BLOCK_SIZE], {})[position % BLOCK_SIZE] = (
+                    seq.token_ids[position])
+        for item in out.scheduled:
+            seq = item.seq
+            end = seq.num_computed_tokens + item.num_tokens
+            held = [self.cache.get(seq.block_ids[p // BLOCK_SIZE], {}).get(p % BLOCK_SIZE) for p in range(end)]
+            assert held == seq.token_ids[:end], f"sequence {seq.seq_id} attends to KV of other tokens"
 
     def abort(self, index: int) -> None:
         live = [seq for request in self.requests for seq in request.sequences if not seq.is_finished]
@@ -227,3 +248,20 @@ def test_a_preempted_beam_group_waits_whole_and_resumes_whole() -> None:
     for request in harness.requests:
         assert request.is_finished
         assert [len(h.token_ids) for h in request.beam_search.hypotheses] == [12, 12, 12]
+
+
+def test_requests_admitted_together_compute_their_shared_prefix_once() -> None:
+    """A burst sharing a two-block prefix: the first request computes it, the two admitted beside it in the
+    same step adopt its blocks and compute only their own last block; then a fourth, one step later, too."""
+    harness = Harness(num_blocks=32, budget=64, max_seqs=8, prefix_caching=True)
+    prefix = [1, 2, 3, 4, 6, 7, 8, 9]
+    for suffix in ([10, 11, 12], [13, 14, 15], [16, 17, 18]):
+        harness.add(prefix + suffix, max_tokens=2, n=1)
+    out = harness.step([1])
+    assert [item.num_tokens for item in out.scheduled] == [11, 3, 3]
+    first, second, third = (request.sequences[0] for request in harness.requests)
+    assert second.block_ids[:2] == third.block_ids[:2] == first.block_ids[:2]
+    harness.add(prefix + [19, 20, 21], max_tokens=2, n=1)
+    assert [item.num_tokens for item in harness.step([1]).scheduled][-1] == 3
+    kv = harness.engine.kv
+    assert (kv.prefix_hit_tokens, kv.prefix_queried_tokens) == (3 * len(prefix), 4 * 11)

@@ -54,6 +54,8 @@ class KVCacheManager:
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockKey, Block] = {}
         self._pending_copies: list[tuple[int, int]] = []
+        # Blocks published for KV that the step being run is still computing (``cache_full_blocks`` ahead).
+        self._uncomputed: list[Block] = []
         self.peak_blocks_used = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
@@ -166,9 +168,16 @@ class KVCacheManager:
         seq.block_ids = []
         seq.block_hashes = []
 
-    def cache_full_blocks(self, seq: Sample) -> None:
-        """Publish the content hash of every block of ``seq`` that is now full and computed."""
-        num_full = seq.num_computed_tokens // self.block_size
+    def cache_full_blocks(self, seq: Sample, num_computed: int | None = None) -> None:
+        """Publish the content hash of every block of ``seq`` that is full and computed: within its first
+        ``num_computed`` tokens (default ``seq.num_computed_tokens``).
+
+        The scheduler passes the tokens a prefill chunk will have computed once the step it was just scheduled
+        in ends: a request admitted later in the same step then matches those blocks, and its attention reads
+        them in the same forward, after each layer has written the step's keys and values (as vLLM does).
+        """
+        computed_full = seq.num_computed_tokens // self.block_size
+        num_full = computed_full if num_computed is None else num_computed // self.block_size
         if not self.enable_prefix_caching or num_full <= len(seq.block_hashes):  # most steps fill no block
             return
         run: list[Block] = []  # newly cached consecutive blocks, one BlockStored event each run
@@ -189,10 +198,29 @@ class KVCacheManager:
             block.tokens = tokens
             block.parent = None if parent is None else (parent.block_id, parent.epoch)
             self._cached[key] = block
+            if index >= computed_full:
+                self._uncomputed.append(block)
             if self._events is not None:
                 run_start = index if not run else run_start
                 run.append(block)
         self._stored(seq, run, run_start)
+
+    def step_computed(self) -> None:
+        """The step ran: the blocks published ahead of it now hold their KV."""
+        self._uncomputed.clear()
+
+    def forget_uncomputed(self) -> set[int]:
+        """The step failed: forget the blocks published ahead of it (their KV was never written), so no later
+        request matches them; returns their ids."""
+        forgotten = {block.block_id for block in self._uncomputed}
+        for block in self._uncomputed:
+            if block.block_hash is not None and self._cached.get(block.block_hash) is block:
+                del self._cached[block.block_hash]
+                if self._events is not None:
+                    self._events.append(BlockRemoved(block_hashes=[block.block_hash], medium=MEDIUM_GPU, group_idx=0))
+                _forget(block)
+        self._uncomputed.clear()
+        return forgotten
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """(source, destination) block copies the runner must do before this step's writes."""

@@ -12,6 +12,12 @@ engine, the null-model engine and the property tests all call it): computed
 tokens advance, full blocks are published to the prefix cache, sampled tokens
 are appended, token-level stops are checked and finished sequences freed.
 
+A prefill chunk's full blocks are published when it is scheduled, not after its step: a
+request admitted behind it in the same step that shares the prompt's start adopts them and
+computes only the rest, reading them in the same forward (each layer writes the step's keys
+and values before any sequence attends). Without this, a burst of requests sharing a prefix
+computes that prefix once per request admitted together.
+
 Speculative decoding: a decoding sequence holding proposals (``Sample.spec_token_ids``)
 is scheduled its last token plus as many drafted tokens as the budget allows; they take
 ordinary KV slots and count against the token budget. Short of blocks, the drafts are
@@ -186,6 +192,8 @@ class Scheduler:
                 scheduled.append(ScheduledSequence(seq, num_tokens + len(drafts), drafts))
                 budget -= num_tokens + len(drafts)
                 num_drafted += len(drafts)
+                if num_tokens > 1:  # a prefill chunk: its blocks are matched by requests admitted below
+                    self.kv.cache_full_blocks(seq, seq.num_computed_tokens + num_tokens)
             index += 1
 
         if not self.running:
@@ -207,6 +215,7 @@ class Scheduler:
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(out.samples)} samples")
         if len(beam_candidates) != len(out.beams):
             raise ValueError(f"{len(beam_candidates)} candidate lists for {len(out.beams)} beam groups")
+        self.kv.step_computed()
         cache_full_blocks = self.kv.cache_full_blocks
         for item in out.scheduled:
             seq = item.seq
@@ -237,6 +246,19 @@ class Scheduler:
             # Forks take the places of the beams they replace, so every group stays side by side.
             self.running[:] = [placed for seq in self.running for placed in places.get(seq, (seq,))]
         return finished
+
+    def abandon_step(self, out: SchedulerOutput) -> None:
+        """``out``'s forward failed: nothing it scheduled was computed. The blocks published ahead of it are
+        forgotten, and the sequences admitted in it that adopted one of them (the newest running ones) are
+        preempted to recompute; the others stand as they were scheduled, to compute the same tokens again."""
+        forgotten = self.kv.forget_uncomputed()
+        block_size = self.kv.block_size
+
+        def adopts(seq: Sample) -> bool:
+            return any(block in forgotten for block in seq.block_ids[: seq.num_computed_tokens // block_size])
+
+        while forgotten and any(adopts(seq) for seq in self.running):
+            self._preempt_last()
 
     def _append_verified(self, seq: Sample, token_ids: Seq[int]) -> bool:
         """Append a verified run up to its first stop; the KV of its accepted drafts counts as computed.
@@ -321,6 +343,8 @@ class Scheduler:
             self._reserved_forks += forks
             scheduled.append(ScheduledSequence(seq, num_tokens))
             budget -= num_tokens
+            # Requests behind it that share its prompt's start match these blocks in this same step.
+            self.kv.cache_full_blocks(seq, seq.num_computed_tokens + num_tokens)
         self.waiting.extendleft(reversed(skipped))
 
     def _schedule_beams(self, index: int, budget: int, scheduled: list[ScheduledSequence],

@@ -245,6 +245,7 @@ class LLMEngine:
         try:
             logits = self.runner.execute(out)
         except Exception as error:
+            self.scheduler.abandon_step(out)  # nothing of it was computed
             if self.workers is not None:
                 self.workers.check(error)
             raise

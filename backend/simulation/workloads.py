@@ -25,6 +25,10 @@ Three shapes, each at three scales (``full`` is what RESULTS reports,
 * ``decode-heavy``: a chat shape, short prompts and long answers (long-tailed as
   in ``long-tail``, mean about seven times the prompt): the decode step at a
   full batch is most of the work.
+* ``mixed-prefix``: the prompt-heavy shape of issue 42, wider than ``prompt-heavy``: prompts
+  of 16-500 tokens, a quarter of them behind one of three shared prefixes of 200-400
+  tokens each, outputs long-tailed with a mean near 90 and a cap of 400 (at ``full``, 192
+  requests).
 * ``uniform-batch``: one batch of prompts that arrive together, of uniform
   length, each asking for the same number of tokens (at ``full``, 16 prompts of
   64-256 tokens and 64 out: the shape the real-size comparison of issue 42 used).
@@ -44,7 +48,7 @@ from typing import Any
 import numpy as np
 
 KINDS = ("long-tail", "shared-prefix", "parallel-sampling", "branching-chat", "prompt-heavy", "decode-heavy",
-         "uniform-batch")
+         "uniform-batch", "mixed-prefix")
 SCALES = ("full", "quick", "tiny")
 SAMPLING_TEMPERATURE = 0.8
 
@@ -161,7 +165,7 @@ class _PromptHeavy:
     num_requests: int
     prompt_len: tuple[int, int]  # a prompt of its own
     num_prefixes: int
-    prefix_len: int
+    prefix_len: int | tuple[int, int]  # one length for all, or each prefix's drawn from the range
     prefixed_share: float  # of requests, behind a shared prefix
     question_len: tuple[int, int]  # what follows a shared prefix
     output_len: tuple[int, int]  # long-tailed between the two
@@ -176,6 +180,8 @@ _SHAPES: dict[str, dict[str, Any]] = {
         "prompt-heavy": _PromptHeavy(128, (32, 448), 3, 320, 0.3, (16, 96), (22, 256)),
         "decode-heavy": _LongTail(32, (32, 160), (96, 384)),
         "uniform-batch": _LongTail(16, (64, 256), (64, 64)),  # long_tail_lengths clips every output to 64
+        # Outputs 24 * e^X clipped to 400: mean 24 * (1 + ln(400 / 24)), about 91.
+        "mixed-prefix": _PromptHeavy(192, (16, 500), 3, (200, 400), 0.25, (16, 100), (24, 400)),
     },
     "quick": {
         "long-tail": _LongTail(64, (32, 512), (16, 512)),
@@ -185,6 +191,7 @@ _SHAPES: dict[str, dict[str, Any]] = {
         "prompt-heavy": _PromptHeavy(32, (32, 448), 2, 320, 0.3, (16, 96), (22, 256)),
         "decode-heavy": _LongTail(16, (32, 160), (48, 192)),
         "uniform-batch": _LongTail(8, (64, 256), (32, 32)),
+        "mixed-prefix": _PromptHeavy(48, (16, 500), 3, (200, 400), 0.25, (16, 100), (24, 400)),
     },
     "tiny": {
         "long-tail": _LongTail(12, (4, 40), (2, 24)),
@@ -194,6 +201,7 @@ _SHAPES: dict[str, dict[str, Any]] = {
         "prompt-heavy": _PromptHeavy(8, (8, 40), 1, 32, 0.5, (2, 8), (2, 12)),
         "decode-heavy": _LongTail(4, (4, 16), (6, 24)),
         "uniform-batch": _LongTail(4, (4, 16), (4, 4)),
+        "mixed-prefix": _PromptHeavy(8, (4, 40), 2, (16, 32), 0.5, (2, 8), (2, 12)),
     },
 }
 
@@ -270,7 +278,9 @@ def _branching_chat(rng: np.random.Generator, shape: _BranchingChat, vocab_size:
 
 def _prompt_heavy(rng: np.random.Generator, shape: _PromptHeavy, vocab_size: int) -> list[WorkloadRequest]:
     """Prefixed and standalone requests interleaved at random, as unrelated traffic arrives."""
-    prefixes = [_tokens(rng, shape.prefix_len, vocab_size) for _ in range(shape.num_prefixes)]
+    lengths = [shape.prefix_len if isinstance(shape.prefix_len, int) else _uniform(rng, shape.prefix_len)
+               for _ in range(shape.num_prefixes)]
+    prefixes = [_tokens(rng, length, vocab_size) for length in lengths]
     outputs = long_tail_lengths(rng, shape.num_requests, *shape.output_len)
     requests = []
     for out in outputs:
