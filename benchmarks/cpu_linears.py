@@ -22,7 +22,7 @@ class LinearRow:
     shape: str
     mkl_ms: float  # F.linear
     onednn_ms: float
-    packed_ms: float  # MKL packed GEMM, the loader's default
+    packed_ms: float  # MKL packed GEMM (oneDNN packed is the loader's default)
     max_error: float  # max |packed - F.linear| / max |F.linear|, over both packed kinds
 
     @property
@@ -61,7 +61,7 @@ def _relative_error(linear: PackedLinear, x: torch.Tensor, weight: torch.Tensor)
 
 def _print(rows: list[LinearRow]) -> None:
     print(f"CPU linears, float32 ({torch.get_num_threads()} thread(s)): F.linear (MKL) against oneDNN-packed and "
-          "MKL-packed weights (pagedllm.layers.cpu_linear; MKL-packed is the default)\n")
+          "MKL-packed weights (pagedllm.layers.cpu_linear; oneDNN-packed is the default)\n")
     print("| shape | F.linear ms | oneDNN packed ms | MKL packed ms | MKL packed vs F.linear | MKL packed vs oneDNN "
           "| max rel. diff |")
     print("|---|---|---|---|---|---|---|")

@@ -1,25 +1,27 @@
-"""CPU linears with weights packed once at load time: float32 for MKL, bfloat16 for oneDNN.
+"""CPU linears with weights packed once at load time, for oneDNN (float32 and bfloat16) or MKL (float32).
 
 ``F.linear`` (MKL sgemm) re-lays out the weight on every call and is slow for
 the few rows a decode step has once most requests of a batch are done. Packing
 the weight once for the GEMM library removes that work:
 
-- ``mkl-packed`` (the default): MKL's packed GEMM (``cblas_sgemm_pack`` /
-  ``cblas_sgemm_compute``), called through ctypes from the MKL that torch's own
-  library exports. On the benchmark models' shapes it beats oneDNN's packed linear
-  at decode row counts and matches it at prefill sizes, and beats ``F.linear`` at
-  all but the fewest rows of the narrowest shapes (measured: RESULTS.md, "Figures
-  behind the code's choices"). The call releases the GIL.
-- ``onednn``: torch's ``mkldnn._linear_pointwise`` on a oneDNN-packed weight,
-  the packing vLLM's CPU backend uses; each call pays ideep's per-call setup.
-  Also the fallback where torch was built without MKL.
+- ``onednn`` (the default): torch's ``mkldnn._linear_pointwise`` on a oneDNN-packed
+  weight, the packing vLLM's CPU backend uses. Over a model's whole body of float32
+  linears, on the benchmark models' shapes and on Qwen2.5-0.5B's, it runs faster
+  than MKL's packed GEMM at every row count from a few rows up to prefill sizes,
+  and a little slower only for single-row steps, where its per-call setup is not
+  hidden (measured: ``scripts/ab_fp32_linear.py``; RESULTS.md, "Figures behind the
+  code's choices"). Each weight is packed once, for one library: two packings would
+  double weight memory.
+- ``mkl-packed``: MKL's packed GEMM (``cblas_sgemm_pack`` / ``cblas_sgemm_compute``),
+  called through ctypes from the MKL that torch's own library exports; it releases
+  the GIL. The fallback for float32 where torch was built without oneDNN.
 - ``mkl``: plain ``F.linear``.
 
-Packed results differ from ``F.linear`` by float32 rounding (<= 1.2e-6
-relative on those shapes): the sums run in another order. The engine already feeds
-MKL different row counts than transformers does, so bit equality was never
-given; the token-exact tests, which allow exact top-two ties only, pass.
-``PAGEDLLM_CPU_LINEAR`` picks one of the three for float32.
+Packed results differ from ``F.linear`` by float32 rounding: the sums run in
+another order. The engine already feeds MKL different row counts than transformers
+does, so bit equality was never given; the token-exact tests, which allow exact
+top-two ties only, pass with each of the three. ``PAGEDLLM_CPU_LINEAR`` picks one
+of the three for float32.
 
 bfloat16 linears (on a CPU that computes bf16 natively, :mod:`pagedllm.platform.cpu_dtypes`)
 always take the oneDNN packing, unless ``PAGEDLLM_CPU_LINEAR=mkl`` keeps plain ``F.linear``:
@@ -45,7 +47,7 @@ from pagedllm.platform.cpu_memory import advise_huge_pages
 logger = logging.getLogger(__name__)
 
 SWITCH_ENV = "PAGEDLLM_CPU_LINEAR"
-CHOICES = ("mkl-packed", "onednn", "mkl")  # the first is the default; "mkl" is plain F.linear
+CHOICES = ("onednn", "mkl-packed", "mkl")  # the first is the default; "mkl" is plain F.linear
 
 # CBLAS enum values (mkl_cblas.h).
 _ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
@@ -136,11 +138,15 @@ def packed_linear_choice(dtype: torch.dtype, device: torch.device) -> str | None
         return "onednn" if onednn and torch.bfloat16 in native_cpu_dtypes() else None
     if dtype != torch.float32:
         return None
-    if choice == "mkl-packed" and _mkl() is None:
+    if choice == "onednn" and not onednn:
+        choice = "mkl-packed" if _mkl() is not None else None
+        logger.warning("torch has no oneDNN packed linear here: float32 CPU linears use %s",
+                       "MKL's packed GEMM" if choice else "F.linear")
+    elif choice == "mkl-packed" and _mkl() is None:
+        choice = "onednn" if onednn else None
         logger.warning("torch exports no MKL packed GEMM here: float32 CPU linears use %s",
-                       "oneDNN" if onednn else "F.linear")
-        choice = "onednn"
-    return choice if choice == "mkl-packed" or onednn else None
+                       "oneDNN" if choice else "F.linear")
+    return choice
 
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, choice: str) -> PackedLinear:
