@@ -266,6 +266,7 @@ def test_overhead_tiny_run_times_every_part(tmp_path: Path) -> None:
     assert any(row["finished_per_step"] > 0 for row in rows)
 
 
+@pytest.mark.full  # a benchmark's smoke run through a real server: the longest test of the default run
 @pytest.mark.tritonserver
 @pytest.mark.server
 def test_serving_tiny_run_reports_latency_and_the_in_process_ratio(tmp_path: Path) -> None:
