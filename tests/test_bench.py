@@ -185,6 +185,8 @@ def test_with_vllm_replays_it_beside_pagedllm_in_every_round(tmp_path: Path, mon
     package = tmp_path / "stand-in" / "vllm"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(FAKE_VLLM)
+    # The real venv holds pandas (for vllm bench serve); without it the script would try to pip install it here.
+    (package.parent / "pandas.py").write_text("")
     python = tmp_path / "venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.write_text(f"#!/bin/sh\nPYTHONPATH={package.parent} exec {sys.executable} \"$@\"\n")
