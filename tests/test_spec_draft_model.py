@@ -196,10 +196,6 @@ def test_other_refusals_name_the_field(tiny_model_dir: Callable[[str], Path]) ->
     with pytest.raises(ValueError, match="speculative_config.num_speculative_tokens=0"):
         LLM(model=model_dir, speculative_config={"method": "draft_model", "num_speculative_tokens": 0,
                                                  "model": model_dir})
-    with pytest.raises(ValueError, match="speculative_config.method='draft_model' is not supported with "
-                                         "tensor_parallel_size > 1"):
-        LLM(model=model_dir, tensor_parallel_size=2,
-            speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": model_dir})
 
 
 def test_sampled_drafts_are_verified_by_rejection(tiny_model_dir: Callable[[str], Path],

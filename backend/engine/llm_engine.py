@@ -79,9 +79,6 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        spec = config.speculative_config
-        if spec is not None and spec.method == "draft_model" and config.tensor_parallel_size > 1:
-            raise ValueError("speculative_config.method='draft_model' is not supported with tensor_parallel_size > 1")
         model_dir = resolve_model_dir(config.model, config.revision) if config.model is not None else DEFAULT_MODEL_DIR
         if not (model_dir / "config.json").is_file():
             raise ValueError(f"model={str(model_dir)!r} is not a Hugging Face checkpoint directory (no config.json)")

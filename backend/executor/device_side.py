@@ -81,6 +81,9 @@ def set_up_device_side(config: EngineConfig, model_dir: Path) -> DeviceSide:
             checkpoint_kv_cache_scales(model_dir, checkpoint_files(model_dir), model.num_layers),
             config.calculate_kv_scales)
         max_model_len = _max_model_len(model, config.max_model_len)
+        # The draft lives whole on rank 0 alone (it is small; sharding it would add collectives to each of its
+        # forwards): its proposals reach the workers as scheduled tokens in the step broadcast. Its bytes per
+        # block count only here, where its caches are; the workers take the block count rank 0 sends.
         draft = _load_draft(config, model_dir, model, dtype, device, attention, max_model_len)
         draft_block_bytes = 0 if draft is None else ModelRunner.bytes_per_block(draft, config.block_size, dtype)
         num_blocks = _num_kv_blocks(config, model, kv_cache_dtype, max_model_len, device, draft_block_bytes)
