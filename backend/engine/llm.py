@@ -9,7 +9,8 @@ from typing import Any
 from tqdm import tqdm
 
 from pagedllm.core.config import EngineConfig
-from pagedllm.engine.llm_engine import EngineStats, LLMEngine
+from pagedllm.engine.engine_stats import EngineStats
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import FinalOutput, RequestOutput
 from pagedllm.lora.request import LoRARequest
 from pagedllm.core.sampling_params import SamplingParams

@@ -5,21 +5,22 @@ Single-threaded by design; ``EngineLoop`` runs it on a thread for servers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence as Seq
-from dataclasses import dataclass
+from collections.abc import Sequence as Seq
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from pagedllm.core.config import EngineConfig
-from pagedllm.core.beam_search import BeamCandidate, BeamSearch
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_events import AllBlocksCleared
 from pagedllm.core.request import Request, Sample, SampleStatus
-from pagedllm.core.scheduler import BeamBatch, Scheduler, SchedulerOutput
+from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.core.stop_policy import StopPolicy
+from pagedllm.engine.aborts import abort_request
 from pagedllm.engine.admission import AdmissionLimits, check_request, tokenize_prompt
+from pagedllm.engine.beam_outputs import beam_search_of, beam_step_candidates, finished_beam_outputs
+from pagedllm.engine.engine_stats import EngineStats, adapters_of
 from pagedllm.executor.device_side import engine_device, set_up_device_side
 from pagedllm.platform.gc_tuning import collect_young_less_often
 from pagedllm.engine.kv_event_publisher import KVEventPublisher
@@ -27,12 +28,11 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import CompletionDelta, RequestOutput
 from pagedllm.engine.structured_outputs import StructuredOutputs
 from pagedllm.engine.prompt_logprobs import PromptLogprobsCollector
-from pagedllm.engine.speculative import SpecDecodeCounts, SpeculativeDecoding
+from pagedllm.engine.speculative import SpeculativeDecoding
 from pagedllm.lora.request import LoRARequest
 from pagedllm.core.model_source import DEFAULT_MODEL_DIR, resolve_model_dir
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.platform.cpu_memory import keep_freed_memory
-from pagedllm.worker.beam_sampler import beam_candidates
 from pagedllm.worker.draft_proposer import DraftProposer
 from pagedllm.worker.sampler import (PenaltyState, SampledToken, Sampler, SamplingRow, make_generator,
                                      needs_penalties)
@@ -41,39 +41,6 @@ log = logging.getLogger(__name__)
 
 # How long a step with nothing to schedule waits for a grammar still compiling before it returns.
 _IDLE_COMPILE_WAIT_S = 0.05
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    num_blocks_total: int
-    num_blocks_free: int
-    peak_blocks_used: int
-    peak_tokens_held: int  # tokens whose K/V sat in the cache when block use peaked
-    num_preemptions: int
-    prefix_cache_queried_tokens: int
-    prefix_cache_hit_tokens: int
-    num_running: int
-    num_waiting: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    block_size: int
-    spec_decode: SpecDecodeCounts | None = None  # speculative decoding's counts; None when it is off
-    enable_prefix_caching: bool = True
-    # LoRA, as vLLM's lora_requests_info reports it: the adapter slots (0: no LoRA), and the adapters of the
-    # running and of the waiting requests.
-    max_loras: int = 0
-    running_lora_adapters: tuple[str, ...] = ()
-    waiting_lora_adapters: tuple[str, ...] = ()
-
-    @property
-    def num_blocks_used(self) -> int:
-        return self.num_blocks_total - self.num_blocks_free
-
-    @property
-    def peak_waste_fraction(self) -> float:
-        """Share of the KV slots allocated at peak that held no token."""
-        slots = self.peak_blocks_used * self.block_size
-        return 0.0 if slots == 0 else 1.0 - self.peak_tokens_held / slots
 
 
 class LLMEngine:
@@ -233,8 +200,8 @@ class LLMEngine:
             spec_decode=None if self.speculative is None else self.speculative.snapshot(),
             enable_prefix_caching=self.kv.enable_prefix_caching,
             max_loras=0 if self.lora is None else self.config.max_loras,
-            running_lora_adapters=() if self.lora is None else _adapters(self.scheduler.running),
-            waiting_lora_adapters=() if self.lora is None else _adapters(self.scheduler.waiting),
+            running_lora_adapters=() if self.lora is None else adapters_of(self.scheduler.running),
+            waiting_lora_adapters=() if self.lora is None else adapters_of(self.scheduler.waiting),
         )
 
     def _run(self, out: SchedulerOutput, deltas: dict[str, list[CompletionDelta]], errors: dict[str, str]) -> None:
@@ -257,7 +224,7 @@ class LLMEngine:
 
     def _sample_step(self, out: SchedulerOutput, logits: torch.Tensor, deltas: dict[str, list[CompletionDelta]],
                      errors: dict[str, str]) -> None:
-        candidates = [self._beam_candidates(logits, batch) for batch in out.beams]
+        candidates = [beam_step_candidates(logits, batch) for batch in out.beams]
         if out.beams or len(out.samples) != logits.shape[0]:
             logits = logits[torch.tensor(out.sample_logit_rows, device=logits.device, dtype=torch.long)]
         self.structured.mask(logits, out.samples)
@@ -268,18 +235,19 @@ class LLMEngine:
         self.scheduler.update_from_output(out, [0 if token is None else token.token_id for token in tokens],
                                           candidates)
         if self.structured.has_matchers:
-            self._advance_grammars(out.samples, tokens, errors)
+            self.structured.advance(out.samples, [None if token is None else token.token_id for token in tokens],
+                                    errors, self.scheduler.finish, self._fail)
         self._emit_all(out.samples, tokens, deltas, errors)
         for batch in out.beams:
             self._generation_tokens_total += len(batch.beams)
-            search = _beam_search_of(batch.request)
+            search = beam_search_of(batch.request)
             if search.num_output_tokens == 1:  # its first step: the prompt is computed (counted if cancelled later)
                 self._prompt_tokens_total += len(batch.request.prompt_token_ids)
             request_id = batch.request.request_id
             if not search.done or request_id in errors:
                 continue
             try:
-                deltas[request_id] = self._beam_outputs(batch.request, search)
+                deltas[request_id] = finished_beam_outputs(self.outputs, batch.request, search)
             except Exception as error:  # decoding a hypothesis failed: this request's fault alone
                 log.exception("output processing failed for request %s", request_id)
                 errors[request_id] = f"output processing failed: {error}"
@@ -299,7 +267,7 @@ class LLMEngine:
             0 if run is None else run[0].token_id if len(run) == 1 else [token.token_id for token in run]
             for run in runs])
         if self.structured.has_matchers:
-            self._advance_grammars_by_runs(out.samples, lengths, errors)
+            self.structured.advance_by_runs(out.samples, lengths, errors, self.scheduler.finish, self._fail)
         self._emit_runs(out.samples, runs, lengths, deltas, errors)
 
     def _emit_runs(self, samples: Seq[Sample], runs: Seq[list[SampledToken] | None], lengths: Seq[int],
@@ -326,21 +294,6 @@ class LLMEngine:
             self._generation_tokens_total += len(merged.token_ids) if merged is not None else 0
             if merged is not None:
                 deltas.setdefault(request_id, []).append(merged)
-
-    def _beam_candidates(self, logits: torch.Tensor, batch: BeamBatch) -> list[BeamCandidate]:
-        search = _beam_search_of(batch.request)
-        rows = torch.tensor(batch.logit_rows, device=logits.device, dtype=torch.long)
-        return beam_candidates(logits[rows], search.scores, search.num_candidates)
-
-    def _beam_outputs(self, request: Request, search: BeamSearch) -> list[CompletionDelta]:
-        """The ``n`` best hypotheses of a finished beam search, best first, whole (beams rewrite
-        earlier tokens, so there are no deltas before the end)."""
-        return [
-            CompletionDelta(index=index, text=self.outputs.decode(request, hyp.token_ids, hyp.finish_reason),
-                            token_ids=hyp.token_ids, cumulative_logprob=hyp.cumulative_logprob, logprobs=None,
-                            finish_reason=hyp.finish_reason, score=hyp.score)
-            for index, hyp in enumerate(search.best(request.params.n))
-        ]
 
     def _emit_all(self, samples: Seq[Sample], tokens: Seq[SampledToken | None],
                   deltas: dict[str, list[CompletionDelta]], errors: dict[str, str]) -> None:
@@ -419,44 +372,6 @@ class LLMEngine:
             errors[failure.seq.request.request_id] = failure.message
             self._invalid_requests.add(failure.seq.request.request_id)
 
-    def _advance_grammars(self, samples: Seq[Sample], tokens: Seq[SampledToken | None],
-                          errors: dict[str, str]) -> None:
-        """Each constrained sample's matcher takes its token; a grammar that has ended ends its sample (stop)."""
-        for seq, token in zip(samples, tokens):
-            if token is None or seq.request.request_id in errors:
-                continue
-            try:
-                ended = self.structured.accept(seq, token.token_id)
-            except ValueError as error:
-                errors[seq.request.request_id] = str(error)
-                self._fail(seq.request, str(error))
-                continue
-            if ended and not seq.is_finished:
-                self.scheduler.finish(seq, "stop")
-
-    def _advance_grammars_by_runs(self, samples: Seq[Sample], lengths: Seq[int], errors: dict[str, str]) -> None:
-        """Each constrained sample's matcher takes the tokens its verified run appended; a grammar that ends
-        inside the run ends its sample there (stop), and the tokens after it are not output."""
-        for seq, length in zip(samples, lengths):
-            if seq.request.request_id in errors:
-                continue
-            for end in range(length + 1, len(seq.token_ids) + 1):
-                try:
-                    ended = self.structured.accept(seq, seq.token_ids[end - 1])
-                except ValueError as error:
-                    errors[seq.request.request_id] = str(error)
-                    self._fail(seq.request, str(error))
-                    break
-                if ended is None:
-                    break
-                if ended:
-                    if end < len(seq.token_ids):  # the run went on past the grammar's end: not output
-                        del seq.token_ids[end:]
-                        seq.finish_reason = "stop" if seq.is_finished else seq.finish_reason
-                    if not seq.is_finished:
-                        self.scheduler.finish(seq, "stop")
-                    break
-
     def _fail(self, request: Request, message: str) -> None:
         """End every sample of ``request`` because it faulted; the rest of the batch carries on."""
         for seq in request.sequences:
@@ -476,30 +391,9 @@ class LLMEngine:
             if request is None:
                 continue
             aborted.add(request_id)
-            held = self.structured.drop(request_id)
-            if held is not None:  # aborted while its grammar compiled: it never reached the scheduler
-                held.status, held.finish_reason = SampleStatus.FINISHED, "abort"
-                deltas[request_id] = [_aborted(i, None) for i in range(request.params.n)]
-                continue
-            if request.params.use_beam_search:
-                for seq in request.sequences:
-                    self.scheduler.finish(seq, "abort")
-                deltas[request_id] = [_aborted(i, 0.0) for i in range(request.params.n)]
-                continue
-            live = {seq.index: seq for seq in request.sequences if not seq.is_finished}
-            reports_logprob = request.params.logprobs is not None  # as every other delta of the request
-            for index in range(request.params.n):
-                seq = live.get(index)
-                if seq is None and index < len(request.sequences):
-                    continue
-                text, logprob = "", 0.0
-                if seq is not None:
-                    self.scheduler.finish(seq, "abort")
-                    text, logprob = self._release(seq), seq.cumulative_logprob
-                delta = CompletionDelta(index=index, text=text, token_ids=(),
-                                        cumulative_logprob=logprob if reports_logprob else None, logprobs=None,
-                                        finish_reason="abort")
-                deltas.setdefault(request_id, []).append(delta)
+            items = abort_request(request, self.structured.drop(request_id), self.scheduler.finish, self._release)
+            if items:
+                deltas[request_id] = items
         self._pending_aborts.clear()
         return aborted
 
@@ -550,12 +444,6 @@ def _joined(first: CompletionDelta, then: CompletionDelta) -> CompletionDelta:
                            then.cumulative_logprob, logprobs, then.finish_reason)
 
 
-def _beam_search_of(request: Request) -> BeamSearch:
-    if request.beam_search is None:
-        raise RuntimeError(f"request {request.request_id} is not a beam search")
-    return request.beam_search
-
-
 def _eos_token_ids(model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     ids: set[int] = set()
     try:
@@ -568,11 +456,3 @@ def _eos_token_ids(model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> froze
         elif value is not None:
             ids.update(value)
     return frozenset(ids)
-
-
-def _aborted(index: int, cumulative_logprob: float | None) -> CompletionDelta:
-    return CompletionDelta(index=index, text="", token_ids=(), cumulative_logprob=cumulative_logprob, logprobs=None,
-                           finish_reason="abort")
-def _adapters(seqs: Iterable[Sample]) -> tuple[str, ...]:
-    """The adapters ``seqs`` run through, each once, sorted."""
-    return tuple(sorted({seq.request.lora_name for seq in seqs if seq.request.lora_name is not None}))

@@ -15,7 +15,7 @@ its sample with reason ``stop``.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
@@ -23,7 +23,7 @@ import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
-from pagedllm.core.request import Sample
+from pagedllm.core.request import Request, Sample
 from pagedllm.engine.grammar_compiler import GrammarCompiler, GrammarRejected
 from pagedllm.worker.grammar_bitmask import GrammarBitmask
 
@@ -154,6 +154,48 @@ class StructuredOutputs:
             raise ValueError(f"SamplingParams.structured_outputs: token {token_id} does not continue the "
                              "constraint (nothing it allows could be sampled)")
         return matcher.is_terminated()
+
+    def advance(self, samples: Seq[Sample], token_ids: Seq[int | None], errors: dict[str, str],
+                finish: Callable[[Sample, str], None], fail: Callable[[Request, str], None]) -> None:
+        """A step's output: each constrained sample's matcher takes its token (None: the sample got none); a
+        grammar that has ended ends its sample (``finish`` "stop"); a refused token fails its request
+        (``fail``, with the message in ``errors``). Requests already in ``errors`` are skipped."""
+        for seq, token_id in zip(samples, token_ids):
+            if token_id is None or seq.request.request_id in errors:
+                continue
+            try:
+                ended = self.accept(seq, token_id)
+            except ValueError as error:
+                errors[seq.request.request_id] = str(error)
+                fail(seq.request, str(error))
+                continue
+            if ended and not seq.is_finished:
+                finish(seq, "stop")
+
+    def advance_by_runs(self, samples: Seq[Sample], lengths: Seq[int], errors: dict[str, str],
+                        finish: Callable[[Sample, str], None], fail: Callable[[Request, str], None]) -> None:
+        """A verification step's output: each constrained sample's matcher takes the tokens its verified run
+        appended after its first ``lengths`` tokens; a grammar that ends inside the run ends its sample there
+        (stop), and the tokens after it are not output. ``errors``, ``finish`` and ``fail`` as for ``advance``."""
+        for seq, length in zip(samples, lengths):
+            if seq.request.request_id in errors:
+                continue
+            for end in range(length + 1, len(seq.token_ids) + 1):
+                try:
+                    ended = self.accept(seq, seq.token_ids[end - 1])
+                except ValueError as error:
+                    errors[seq.request.request_id] = str(error)
+                    fail(seq.request, str(error))
+                    break
+                if ended is None:
+                    break
+                if ended:
+                    if end < len(seq.token_ids):  # the run went on past the grammar's end: not output
+                        del seq.token_ids[end:]
+                        seq.finish_reason = "stop" if seq.is_finished else seq.finish_reason
+                    if not seq.is_finished:
+                        finish(seq, "stop")
+                    break
 
     # ---- speculative decoding: drafts checked against the grammar, verified positions masked ----
 
