@@ -133,16 +133,16 @@ def _timed_run(llm: LLM, rows: int, steps: int, constrained: bool) -> tuple[floa
     for _ in range(warmup):
         engine.step()
     grammar_s = [0.0]
-    mask, advance = engine.structured.mask, engine._advance_grammars
-    engine.structured.mask = _timing(mask, grammar_s)  # type: ignore[method-assign]
-    engine._advance_grammars = _timing(advance, grammar_s)  # type: ignore[method-assign]
+    structured = engine.structured
+    structured.mask = _timing(structured.mask, grammar_s)  # type: ignore[method-assign]
+    structured.advance = _timing(structured.advance, grammar_s)  # type: ignore[method-assign]
     try:
         started = time.perf_counter()
         for _ in range(steps):
             engine.step()
         elapsed = time.perf_counter() - started
     finally:
-        del engine.structured.mask, engine._advance_grammars
+        del structured.mask, structured.advance
     running = len(engine.scheduler.running)
     if running != rows:
         raise RuntimeError(f"{rows - running} of {rows} rows finished inside the timed window: the comparison "
