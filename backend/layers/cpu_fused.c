@@ -73,9 +73,12 @@ void pagedllm_silu_mul_f32(const float* gate_up, float* out, int64_t rows, int64
 #pragma omp simd
         for (int64_t i = 0; i < width; ++i) {
             const float g = gate[i];
-            /* sigmoid(g) from exp(-|g|), which cannot overflow. */
+            /* sigmoid(g) from exp(-|g|), which cannot overflow: e / (1 + e) below zero, 1 / (1 + e) above.
+             * The numerator is chosen before the one division, not the quotient after two: vectorized,
+             * a select between two quotients computes both, and the divider is this loop's bottleneck.
+             * Each lane still divides the same two floats, so the result is the same bit for bit. */
             const float e = exp_nonpositive(g < 0.0f ? g : -g);
-            const float sigmoid = g < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e);
+            const float sigmoid = (g < 0.0f ? e : 1.0f) / (1.0f + e);
             o[i] = (g * sigmoid) * up[i];
         }
     }
@@ -132,7 +135,7 @@ void pagedllm_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows
         for (int64_t i = 0; i < width; ++i) {
             const float g = bf16_to_float(gate[i]);
             const float e = exp_nonpositive(g < 0.0f ? g : -g);
-            const float sigmoid = g < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e);
+            const float sigmoid = (g < 0.0f ? e : 1.0f) / (1.0f + e); /* one division, as in the float32 loop */
             o[i] = float_to_bf16(round_bf16(g * sigmoid) * bf16_to_float(up[i]));
         }
     }
