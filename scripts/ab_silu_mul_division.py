@@ -3,17 +3,21 @@
     OMP_NUM_THREADS=1 python scripts/ab_silu_mul_division.py [--old REV] [--rows 1,16,512] [--widths 4864,8960]
 
 ``--old`` names a git revision whose ``backend/layers/cpu_fused.c`` (and the header it includes) is the
-"old" side; the "new" side is this worktree's. Both are built with the flags the engine uses and
-called through the same :class:`CpuFusedOps` wrapper.
+"old" side; the "new" side is this worktree's. Both are built with the flags the engine uses. The new side
+is called through :class:`CpuFusedOps`; the old side through ctypes with the signature its routines had
+before the bf16 one took torch's silu table (:class:`OldSiluMul`), which every ``--old`` before that
+change has.
 
 Bits: float32 and bf16 outputs are compared as integers (so NaN patterns count too) on every bf16 gate
-value, on a sweep through float32 bit patterns, and on Gaussian rows. Time: rounds interleaved (a busy
+value, on a sweep through float32 bit patterns, and on Gaussian rows: old against new, and new against
+torch's ``F.silu(gate) * up``. Time: rounds interleaved (a busy
 spell of a shared host hits both sides alike), median µs per call, on rows of Qwen2.5's intermediate
 widths (0.5B 4864, 1.5B 8960).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import re
 import statistics
@@ -24,9 +28,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from pagedllm.layers import cpu_fused_ops
-from pagedllm.layers.cpu_fused_ops import CpuFusedOps
+from pagedllm.layers.cpu_fused_ops import CpuFusedOps, _dense
 from pagedllm.platform.native_build import load_library
 
 logger = logging.getLogger("ab_silu_mul_division")
@@ -63,20 +68,41 @@ def _normalized(parts: tuple[str, ...]) -> list[str]:
     return out
 
 
-def _ops(source: Path) -> CpuFusedOps:
+def _library(source: Path) -> ctypes.CDLL:
     # The engine's own flags: cpu_fused_ops builds with these extras.
     library = load_library(source, "PAGEDLLM_AB_NEVER_OFF", "nothing to compare", logger, ("-ffp-contract=off",))
     if library is None:
         raise SystemExit(f"{source} did not build")
-    return CpuFusedOps(library)
+    return library
+
+
+class OldSiluMul:
+    """An old library's SiLU-and-multiply, both dtypes taking (gate_up, out, rows, width, threads)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._routines = {}
+        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+            routine = library[f"pagedllm_silu_mul_{suffix}"]
+            routine.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+            routine.restype = None
+            self._routines[dtype] = routine
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """:meth:`CpuFusedOps.silu_mul`, with its checks, so that both sides pay the same Python per call."""
+        if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+            raise ValueError(f"silu_mul: expected rows of [gate | up] (even width), got {tuple(gate_up.shape)}")
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, width, dtype=_dense(gate_up).dtype)
+        self._routines[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, width, torch.get_num_threads())
+        return out
 
 
 def _as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
 
-def _bit_check(old: CpuFusedOps, new: CpuFusedOps) -> list[tuple[str, int, int]]:
-    """(case, elements, elements whose bits differ) for each input family."""
+def _bit_check(old: OldSiluMul, new: CpuFusedOps) -> list[tuple[str, int, int, int]]:
+    """(case, elements, elements whose bits differ old against new, new against torch) for each input family."""
     generator = torch.Generator().manual_seed(0)
     cases: list[tuple[str, torch.Tensor]] = []
     every_bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
@@ -92,8 +118,9 @@ def _bit_check(old: CpuFusedOps, new: CpuFusedOps) -> list[tuple[str, int, int]]
     cases.append(("f32: gaussian x4, 512 x 4864", gaussian32))
     results = []
     for name, gate_up in cases:
-        a, b = _as_bits(old.silu_mul(gate_up)), _as_bits(new.silu_mul(gate_up))
-        results.append((name, a.numel(), int((a != b).sum())))
+        gate, up = gate_up.chunk(2, dim=1)
+        a, b, t = _as_bits(old.silu_mul(gate_up)), _as_bits(new.silu_mul(gate_up)), _as_bits(F.silu(gate) * up)
+        results.append((name, a.numel(), int((a != b).sum()), int((b != t).sum())))
     return results
 
 
@@ -111,19 +138,20 @@ def _median_us(calls: dict[str, Callable[[], object]], rounds: int, repeat: int)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # af0775c: the last cpu_fused.c with two divisions per element (a select between two quotients).
-    parser.add_argument("--old", default="af0775c", help="git revision of the old cpu_fused.c")
+    # 750465a: the last cpu_fused.c whose bf16 SiLU computes the sigmoid (one division per element); af0775c: the
+    # last with two divisions per element (a select between two quotients).
+    parser.add_argument("--old", default="750465a", help="git revision of the old cpu_fused.c")
     parser.add_argument("--rows", default="1,16,512")
     parser.add_argument("--widths", default="4864,8960")
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as staging:
-        old = _ops(_old_source(args.old, Path(staging)))
-    new = _ops(cpu_fused_ops.SOURCE)
+        old = OldSiluMul(_library(_old_source(args.old, Path(staging))))
+    new = CpuFusedOps(_library(cpu_fused_ops.SOURCE))
     print(f"old: {args.old}:{SOURCE}; new: worktree; torch {torch.__version__}, {torch.get_num_threads()} thread(s)\n")
-    print("| inputs | elements | differing bits |\n|---|---|---|")
-    for name, elements, differing in _bit_check(old, new):
-        print(f"| {name} | {elements} | {differing} |")
+    print("| inputs | elements | differing bits, old vs new | new vs torch |\n|---|---|---|---|")
+    for name, elements, differing, from_torch in _bit_check(old, new):
+        print(f"| {name} | {elements} | {differing} | {from_torch} |")
     print("\n| dtype | rows × width | old µs | new µs | old / new |\n|---|---|---|---|---|")
     generator = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.bfloat16):

@@ -19,9 +19,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from pagedllm.platform.cpu_dtypes import native_cpu_dtypes
 from pagedllm.platform.native_build import load_library
@@ -41,17 +43,23 @@ class CpuFusedOps:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         pointer, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        self._rms_norm, self._rotary, self._silu_mul = {}, {}, {}
+        self._rms_norm, self._rotary = {}, {}
+        # Each called (gate_up, out, rows, width, threads): the bf16 routine with torch's silu table bound first.
+        self._silu_mul: dict[torch.dtype, Callable[..., None]] = {}
         for dtype, suffix in _SUFFIXES.items():
             self._rms_norm[dtype] = library[f"pagedllm_rms_norm_{suffix}"]
             self._rms_norm[dtype].argtypes = [pointer, pointer, pointer, pointer, i64, i64, f32, i32]
             self._rms_norm[dtype].restype = None
             self._rotary[dtype] = library[f"pagedllm_rotary_{suffix}"]
             self._rotary[dtype].argtypes = [pointer, i64, pointer, pointer, i64, i64, i64, i32]
-            self._silu_mul[dtype] = library[f"pagedllm_silu_mul_{suffix}"]
-            self._silu_mul[dtype].argtypes = [pointer, pointer, i64, i64, i32]
-            for routine in (self._rotary[dtype], self._silu_mul[dtype]):
+            silu_mul = library[f"pagedllm_silu_mul_{suffix}"]
+            silu_mul.argtypes = [*([pointer] if dtype == torch.bfloat16 else []), pointer, pointer, i64, i64, i32]
+            for routine in (self._rotary[dtype], silu_mul):
                 routine.restype = None
+            self._silu_mul[dtype] = silu_mul
+        with torch.device("cpu"):  # the loader may build this while building the model on "meta"
+            self._bf16_silu = _bf16_silu_table()  # held: the bf16 routine keeps its address
+        self._silu_mul[torch.bfloat16] = functools.partial(self._silu_mul[torch.bfloat16], self._bf16_silu.data_ptr())
         self.norm_dtypes = frozenset({torch.float32} | ({torch.bfloat16} if self._bf16_norm_is_torchs() else set()))
 
     def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -122,6 +130,13 @@ class CpuFusedOps:
         out = torch.empty(rows, width, dtype=_dense(gate_up).dtype)
         self._silu_mul[out.dtype](gate_up.data_ptr(), out.data_ptr(), rows, width, torch.get_num_threads())
         return out
+
+
+def _bf16_silu_table() -> torch.Tensor:
+    """torch's bf16 ``silu`` of every bf16 value, as float32, indexed by the value's 16 bits: the compiled bf16
+    SiLU-and-multiply looks its gates up here, so its silu is torch's bit for bit at every gate."""
+    every_bf16 = torch.arange(2**16, dtype=torch.int32).to(torch.uint16).view(torch.bfloat16)
+    return F.silu(every_bf16).float()
 
 
 def cpu_fused_ops(dtype: torch.dtype, device: torch.device) -> CpuFusedOps | None:
