@@ -129,6 +129,7 @@ def main() -> None:
                                                                         prefill)):
         a, b = statistics.median(table["A"]), statistics.median(table["B"])
         print(f"{label}: A {a:.1f} ms, B {b:.1f} ms (median of {len(table['A'])}); B is {a / b:.2f}x A's speed")
+        print("  A", [round(t) for t in table["A"]], "\n  B", [round(t) for t in table["B"]])
     same = tokens["A"] == tokens["B"]
     print(f"greedy tokens of the decode batch: {'identical' if same else 'DIFFER'}")
     for engine in engines.values():

@@ -157,6 +157,21 @@ def test_a_table_it_would_read_outside_the_cache_with_is_refused(routine: native
         routine(q, cache, cache, layout.native_decodes, 0.125, torch.empty_like(q), torch.empty(1, 4))
 
 
+@pytest.mark.parametrize("cache_dtype, rows_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_queries_of_another_width_than_the_cache_takes_are_refused(routine: native_decode.NativeDecode,
+                                                                   cache_dtype: torch.dtype,
+                                                                   rows_dtype: torch.dtype) -> None:
+    """A bf16 cache's routine reads bf16 queries and writes bf16 outputs, the others float32 ones: C would read
+    and write the wrong number of bytes for the other kind."""
+    q = torch.zeros(1, 4, 64, dtype=rows_dtype)
+    cache = torch.zeros(2, 3, 16, 64, dtype=cache_dtype)  # head-major: 2 KV heads, 3 blocks
+    metadata = AttentionMetadata(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([20], dtype=torch.int32),
+                                 torch.tensor([[0, 1]], dtype=torch.int32), torch.zeros(1, dtype=torch.int64), 1, 20)
+    layout = plan_cpu_attention(metadata).plan.layout(16, torch.float32, True)
+    with pytest.raises(ValueError, match="queries and outputs"):
+        routine(q, cache, cache, layout.native_decodes, 0.125, torch.empty_like(q), torch.empty(1, 4))
+
+
 def test_a_slot_past_the_cache_is_refused_before_anything_past_it_is_written(routine: native_decode.NativeDecode) -> None:
     cache = torch.zeros(2, 3, 16, 8)  # head-major: 2 KV heads, 3 blocks of 16 slots
     rows = torch.ones(3, 2, 8)

@@ -25,8 +25,8 @@ at a time, which wins over gather + mask + SDPA for small chunks; bigger chunks 
 on SDPA, whose matrix products win there. Without a C compiler every decode and prefill
 runs the torch path below, which stays tested on its own.
 
-bf16 decode steps go to the same compiled routine: float32 queries (exact), the bf16 blocks widened
-as they are read, float32 sums, and the softmax weights rounded to bf16 before they weigh V, as
+bf16 decode steps go to the same compiled routine: bf16 queries and blocks widened to float32 (exactly)
+as they are read, float32 sums, the output rounded to bf16 there, and the softmax weights rounded to bf16 before they weigh V, as
 torch's bf16 SDPA rounds them (bf16 greedy tokens are judged against transformers' bf16 forward,
 which runs that SDPA: tests/test_bf16_accuracy.py). Steps that mix bf16 prefills and decodes stay on
 the torch path.
@@ -253,15 +253,16 @@ class CpuPagedAttention:
 
     def _attend_bf16_decodes(self, native: NativeDecode, q: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, plan: CpuAttentionPlan, scale: float) -> torch.Tensor:
-        """A bf16 decode step in the compiled routine: float32 queries (exact), the bf16 blocks read in place and
-        widened as they are read, sums in float32, the output rounded to bf16 once, as torch's bf16 SDPA does."""
+        """A bf16 decode step in the compiled routine: the queries widened to float32 (exact), the bf16 blocks read
+        in place and widened as they are read, sums in float32, the output rounded to bf16 once, as torch's bf16
+        SDPA does. The routine reads and writes the bf16 rows itself, so no float32 copy of them is made here."""
         num_tokens, num_heads, _ = q.shape
         layout = plan.layout(k_cache.shape[1], torch.float32, True)
-        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
         lse = self._reused(("lse", torch.float32, q.device, ()), num_tokens * num_heads).view(num_tokens, num_heads)
         if layout.native_decodes is not None:  # None only for a step without tokens
-            native(q.float(), _head_major(k_cache), _head_major(v_cache), layout.native_decodes, scale, out, lse)
-        return out.to(torch.bfloat16)
+            native(q.contiguous(), _head_major(k_cache), _head_major(v_cache), layout.native_decodes, scale, out, lse)
+        return out
 
     @staticmethod
     def _decode(

@@ -96,12 +96,12 @@ class NativeDecode:
 
     def __call__(
         self,
-        q: torch.Tensor,  # float32 contiguous [num_tokens, num_heads, head_dim]
+        q: torch.Tensor,  # contiguous [num_tokens, num_heads, head_dim]: bf16 for a bf16 cache, float32 otherwise
         k_cache: torch.Tensor,  # float32, 8-bit or bf16, contiguous head-major [kv_heads, num_blocks, block_size, head_dim]
         v_cache: torch.Tensor,
         decodes: NativeDecodes,
         scale: float,
-        out: torch.Tensor,  # float32 contiguous, q's shape: the decodes' rows are written
+        out: torch.Tensor,  # contiguous, q's shape and dtype: the decodes' rows are written
         lse: torch.Tensor,  # float32 contiguous [num_tokens, num_heads]: the decodes' rows are written
         k_scale: float = 1.0,  # an 8-bit cache's scales
         v_scale: float = 1.0,
@@ -110,6 +110,11 @@ class NativeDecode:
         # C does not bound-check: a bad table would read outside the cache instead of raising.
         if decodes.lowest_block < 0 or decodes.highest_block >= num_blocks:
             raise ValueError(f"block table holds ids outside [0, {num_blocks})")
+        # ... nor look at dtypes: a bf16 cache's routine reads and writes two bytes a value, the others four.
+        rows_dtype = torch.bfloat16 if k_cache.dtype == torch.bfloat16 else torch.float32
+        if q.dtype != rows_dtype or out.dtype != rows_dtype:
+            raise ValueError(f"a {k_cache.dtype} cache takes {rows_dtype} queries and outputs, got {q.dtype} and "
+                             f"{out.dtype}")
         rows, block_table, lens = decodes.addresses
         layout = (rows, block_table, decodes.block_table.shape[1], lens, len(decodes.rows), kv_heads,
                   q.shape[1] // kv_heads, head_dim, num_blocks, block_size, scale, decodes.max_len,

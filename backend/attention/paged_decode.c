@@ -8,7 +8,7 @@
  *
  * float32 queries; the caches are float32, or 8-bit (fp8 e4m3fn or e5m2) dequantized one block at a time
  * (times the layer's scale) into a float scratch block, so that no full-precision copy of a context is
- * ever made, or bfloat16 widened the same way (exactly). Sums are float32 throughout. Over a bf16 cache
+ * ever made, or bfloat16 widened the same way (exactly), with bf16 queries and outputs. Sums are float32 throughout. Over a bf16 cache
  * the softmax weights are rounded to bf16 before they weigh V, and normalized after, as torch's
  * bf16 flash attention does (the forward the bf16 model is judged by): exp(s - max) in float32,
  * summed unrounded, rounded to bf16 for the product with V, the output times 1/sum at the end. -ffast-math is avoided on purpose: on gcc < 13 it links crtfastmath.o, which
@@ -247,39 +247,54 @@ static inline __attribute__((always_inline)) void attend_head(const float* q, in
         }
 }
 
-/* q, out: [tokens, kv_heads * group, head_dim]; lse: [tokens, kv_heads * group].
+/* x's bf16 bits, rounded to nearest even; x finite. */
+static inline uint16_t bf16_bits(float x) {
+    x = round_to_bf16(x);
+    uint32_t bits;
+    __builtin_memcpy(&bits, &x, sizeof bits);
+    return (uint16_t)(bits >> 16);
+}
+
+/* q, out: [tokens, kv_heads * group, head_dim], float32, or bf16 with bf16_rows; lse: [tokens, kv_heads * group].
  * Sequence i's query is token rows[i]; it attends to the first lens[i] cache slots its block-table row lists.
  * A float32 cache passes k_cache/v_cache and NULL k8/v8; an 8-bit or bf16 one passes k8/v8 as bytes and its format.
+ * bf16 rows are widened into float32 (exactly) before and rounded to bf16 (to nearest even, as torch's cast rounds)
+ * after each (sequence, KV head), in the thread's scratch: the caller needs no float32 copies of them.
  * Returns 0, or 1 when the scratch buffer could not be allocated (out and lse are then undefined). */
-static int paged_decode(const float* q, const float* k_cache, const float* v_cache, const uint8_t* k8,
+static int paged_decode(const void* q, const float* k_cache, const float* v_cache, const uint8_t* k8,
                         const uint8_t* v8, int format, float k_scale, float v_scale, const int64_t* rows,
                         const int64_t* block_table, int64_t table_width, const int64_t* lens, int64_t num_seqs,
                         int64_t kv_heads, int64_t group, int64_t head_dim, int64_t num_blocks, int64_t block_size,
-                        float scale, int64_t max_len, int threads, float* out, float* lse) {
+                        float scale, int64_t max_len, int threads, void* out, float* lse, int bf16_rows) {
     int failed = 0;
     const int64_t heads = kv_heads * group;
     const int64_t head_numel = num_blocks * block_size * head_dim;
-    const int64_t scratch_numel = k8 ? block_size * head_dim : 0;
+    const int64_t rows_numel = bf16_rows ? 2 * group * head_dim : 0; /* a query and an output, as float32 */
+    const int64_t scratch_numel = (k8 ? block_size * head_dim : 0) + rows_numel;
     /* Threads take 4 (sequence, KV head) items at a time, so with 4 or fewer one thread does all the work:
      * then no team is formed, since joining one costs a wake-up of threads the serving side may be
      * holding the other CPUs with (a lone stream on a small host). */
 #pragma omp parallel num_threads(threads) if (threads > 1 && num_seqs * kv_heads > 4) reduction(| : failed)
     {
         float* scores = malloc(sizeof(float) * (size_t)(group * (max_len > 0 ? max_len : 1) + scratch_numel));
-        float* scratch = scores ? scores + group * (max_len > 0 ? max_len : 1) : NULL;
+        float* wide_rows = scores ? scores + group * (max_len > 0 ? max_len : 1) : NULL;
+        float* scratch = wide_rows ? wide_rows + rows_numel : NULL;
         failed = scores == NULL;
 #pragma omp for schedule(dynamic, 4)
         for (int64_t i = 0; i < num_seqs * kv_heads; ++i) {
             if (scores == NULL) continue;
             const int64_t seq = i / kv_heads, head = i % kv_heads;
             const int64_t offset = rows[seq] * heads + head * group;
-            const float* q_head = q + offset * head_dim;
+            const float* q_head = bf16_rows ? widen_bf16_block((const uint16_t*)q + offset * head_dim, group * head_dim,
+                                                                wide_rows)
+                                            : (const float*)q + offset * head_dim;
             const float *k_head = k8 ? NULL : k_cache + head * head_numel, *v_head = v8 ? NULL : v_cache + head * head_numel;
             const int64_t head_bytes = head_numel * kv_element_bytes(format);
             const fp8_head k_bytes = {k8 ? k8 + head * head_bytes : NULL, format, k_scale};
             const fp8_head v_bytes = {v8 ? v8 + head * head_bytes : NULL, format, v_scale};
             const int64_t* blocks = block_table + seq * table_width;
-            float *out_head = out + offset * head_dim, *lse_head = lse + offset;
+            float *out_head = bf16_rows ? wide_rows + group * head_dim : (float*)out + offset * head_dim;
+            float* lse_head = lse + offset;
             if (head_dim == 64)
                 attend_head(q_head, group, 64, k_head, v_head, blocks, lens[seq], block_size, scale, out_head, lse_head,
                             scores, k_bytes, v_bytes, scratch);
@@ -289,6 +304,10 @@ static int paged_decode(const float* q, const float* k_cache, const float* v_cac
             else
                 attend_head(q_head, group, head_dim, k_head, v_head, blocks, lens[seq], block_size, scale, out_head,
                             lse_head, scores, k_bytes, v_bytes, scratch);
+            if (bf16_rows) {
+                uint16_t* out_bf16 = (uint16_t*)out + offset * head_dim;
+                for (int64_t d = 0; d < group * head_dim; ++d) out_bf16[d] = bf16_bits(out_head[d]);
+            }
         }
         free(scores);
     }
@@ -302,7 +321,7 @@ int pagedllm_paged_decode_f32(const float* q, const float* k_cache, const float*
                               int64_t block_size, float scale, int64_t max_len, int threads,
                               float* out, float* lse) {
     return paged_decode(q, k_cache, v_cache, NULL, NULL, 0, 1.0f, 1.0f, rows, block_table, table_width, lens, num_seqs,
-                        kv_heads, group, head_dim, num_blocks, block_size, scale, max_len, threads, out, lse);
+                        kv_heads, group, head_dim, num_blocks, block_size, scale, max_len, threads, out, lse, 0);
 }
 
 /* pagedllm_paged_decode_f32 over 8-bit caches of one format (0: e4m3fn, 1: e5m2): a K byte stands for its
@@ -314,17 +333,19 @@ int pagedllm_paged_decode_fp8(const float* q, const uint8_t* k_cache, const uint
                               int64_t max_len, int threads, float* out, float* lse) {
     return paged_decode(q, NULL, NULL, k_cache, v_cache, format, k_scale, v_scale, rows, block_table, table_width,
                         lens, num_seqs, kv_heads, group, head_dim, num_blocks, block_size, scale, max_len, threads,
-                        out, lse);
+                        out, lse, 0);
 }
 
-/* pagedllm_paged_decode_f32 over bfloat16 caches (their bits as uint16), widened a block at a time. */
-int pagedllm_paged_decode_bf16(const float* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* rows,
-                               const int64_t* block_table, int64_t table_width, const int64_t* lens, int64_t num_seqs,
-                               int64_t kv_heads, int64_t group, int64_t head_dim, int64_t num_blocks,
-                               int64_t block_size, float scale, int64_t max_len, int threads, float* out, float* lse) {
+/* pagedllm_paged_decode_f32 over bfloat16 caches (their bits as uint16), widened a block at a time, for bf16 queries
+ * and outputs (bits as uint16 too); lse stays float32. */
+int pagedllm_paged_decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                               const int64_t* rows, const int64_t* block_table, int64_t table_width,
+                               const int64_t* lens, int64_t num_seqs, int64_t kv_heads, int64_t group,
+                               int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale, int64_t max_len,
+                               int threads, uint16_t* out, float* lse) {
     return paged_decode(q, NULL, NULL, (const uint8_t*)k_cache, (const uint8_t*)v_cache, KV_BF16, 1.0f, 1.0f, rows,
                         block_table, table_width, lens, num_seqs, kv_heads, group, head_dim, num_blocks, block_size,
-                        scale, max_len, threads, out, lse);
+                        scale, max_len, threads, out, lse, 1);
 }
 
 /* The cache's write side: token t's key and value rows (kv_heads x head_dim, rows row_stride floats
