@@ -26,10 +26,10 @@ on SDPA, whose matrix products win there. Without a C compiler every decode and 
 runs the torch path below, which stays tested on its own.
 
 bf16 decode steps go to the same compiled routine: bf16 queries and blocks widened to float32 (exactly)
-as they are read, float32 sums, the output rounded to bf16 there, and the softmax weights rounded to bf16 before they weigh V, as
-torch's bf16 SDPA rounds them (bf16 greedy tokens are judged against transformers' bf16 forward,
-which runs that SDPA: tests/test_bf16_accuracy.py). Steps that mix bf16 prefills and decodes stay on
-the torch path.
+as they are read, float32 sums, the output rounded to bf16 there, and the softmax weights rounded to
+bf16 before they weigh V, as torch's bf16 SDPA rounds them (bf16 greedy tokens are judged against
+transformers' bf16 forward, which runs that SDPA: tests/test_bf16_accuracy.py). Steps that mix bf16
+prefills and decodes stay on the torch path.
 
 8-bit (fp8) caches are read without a full-precision copy of the cache: the compiled routine
 dequantizes one block at a time as it reads it, and the torch path dequantizes the blocks it

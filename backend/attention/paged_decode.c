@@ -8,10 +8,11 @@
  *
  * float32 queries; the caches are float32, or 8-bit (fp8 e4m3fn or e5m2) dequantized one block at a time
  * (times the layer's scale) into a float scratch block, so that no full-precision copy of a context is
- * ever made, or bfloat16 widened the same way (exactly), with bf16 queries and outputs. Sums are float32 throughout. Over a bf16 cache
- * the softmax weights are rounded to bf16 before they weigh V, and normalized after, as torch's
- * bf16 flash attention does (the forward the bf16 model is judged by): exp(s - max) in float32,
- * summed unrounded, rounded to bf16 for the product with V, the output times 1/sum at the end. -ffast-math is avoided on purpose: on gcc < 13 it links crtfastmath.o, which
+ * ever made, or bfloat16 widened the same way (exactly), with bf16 queries and outputs. Sums are float32
+ * throughout. Over a bf16 cache the softmax weights are rounded to bf16 before they weigh V, and
+ * normalized after, as torch's bf16 flash attention does (the forward the bf16 model is judged by):
+ * exp(s - max) in float32, summed unrounded, rounded to bf16 for the product with V, the output times
+ * 1/sum at the end. -ffast-math is avoided on purpose: on gcc < 13 it links crtfastmath.o, which
  * flips the whole process to flush-to-zero when the library is loaded. Its exp is therefore
  * spelled out (exp_nonpositive.h), so that the compiler can vectorize it without libmvec.
  */

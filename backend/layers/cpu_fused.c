@@ -146,8 +146,8 @@ void pagedllm_silu_mul_bf16(const float* silu_of, const uint16_t* gate_up, uint1
          * rounding is float_to_bf16's, in integers: vcvtneps2bf16 would flush subnormal products to zero. */
         const __m512i half_minus_one = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
         for (; i + 16 <= width; i += 16) {
-            const __m512 silu = _mm512_i32gather_ps(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(gate + i))),
-                                                    silu_of, sizeof(float));
+            const __m512i gates = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(gate + i)));
+            const __m512 silu = _mm512_i32gather_ps(gates, silu_of, sizeof(float));
             const __m512 u = _mm512_castsi512_ps(
                 _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(up + i))), 16));
             const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(silu, u));
