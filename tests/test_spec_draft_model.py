@@ -47,9 +47,12 @@ def draft_dir(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.Te
     return build
 
 
-def with_draft(model_dir: Path, draft: Path, **engine_args: object) -> LLM:
+def with_draft(model_dir: Path, draft: Path, threshold: float = 0.0, **engine_args: object) -> LLM:
+    """A tiny random model's draft is rarely confident (its softmax is nearly flat): the cases drafting all ``K``
+    at every step pin the confidence threshold to 0."""
     return LLM(model=str(model_dir), dtype="float32", **engine_args, speculative_config={
-        "method": "draft_model", "model": str(draft), "num_speculative_tokens": K, "disable_by_batch_size": 0})
+        "method": "draft_model", "model": str(draft), "num_speculative_tokens": K, "disable_by_batch_size": 0,
+        "draft_confidence_threshold": threshold})
 
 
 def assert_speculated(llm: LLM) -> None:
@@ -213,6 +216,25 @@ def test_sampled_drafts_are_verified_by_rejection(tiny_model_dir: Callable[[str]
     assert counts is not None and 0 < counts.num_accepted_tokens < counts.num_draft_tokens
 
 
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=16, temperature=0.8, seed=5, ignore_eos=True)],
+                         ids=["greedy", "sampled"])
+def test_a_doubted_guess_is_the_last_of_its_step(tiny_model_dir: Callable[[str], Path],
+                                                 draft_dir: Callable[[str], Path], params: SamplingParams) -> None:
+    """At threshold 1 every guess is doubted (the draft never gives one probability 1), so each verification holds
+    exactly one draft, verified exactly as a whole run would be: greedy tokens equal those without speculation,
+    and sampled drafts still go through rejection (some accepted, some not)."""
+    model_dir, draft = tiny_model_dir("llama"), draft_dir("llama")
+    prompts = random_prompts(seed=5)[:3]
+    llm = with_draft(model_dir, draft, threshold=1.0)
+    got = run(llm, prompts, params)
+    if params.greedy:
+        assert_same(got, run(LLM(model=str(model_dir), dtype="float32"), prompts, params))
+    counts = llm.engine.stats().spec_decode
+    assert counts is not None and counts.num_drafts > 0
+    assert counts.num_draft_tokens == counts.num_drafts
+    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
+
+
 def test_a_request_below_disable_by_acceptance_rate_stops_proposing(tiny_model_dir: Callable[[str], Path],
                                                                       draft_dir: Callable[[str], Path]) -> None:
     """The draft agrees about 40% of the time: a 0.9 floor turns each request's speculation off once it has
@@ -224,7 +246,7 @@ def test_a_request_below_disable_by_acceptance_rate_stops_proposing(tiny_model_d
     for floor in (0.9, 0.1):
         llm = LLM(model=str(model_dir), dtype="float32", speculative_config={
             "method": "draft_model", "model": str(draft), "num_speculative_tokens": K, "disable_by_batch_size": 0,
-            "disable_by_acceptance_rate": floor})
+            "disable_by_acceptance_rate": floor, "draft_confidence_threshold": 0})
         assert_same(run(llm, prompts, GREEDY), want)
         counts = llm.engine.stats().spec_decode
         assert counts is not None
@@ -246,3 +268,5 @@ def test_the_default_model_speculates_with_its_shipped_draft() -> None:
     assert llm.generate(prompt, params)[0].outputs[0].token_ids == want
     counts = llm.engine.stats().spec_decode
     assert counts is not None and counts.num_drafts > 0
+    # The default confidence threshold ended some runs early and let others run to more than one draft.
+    assert counts.num_drafts < counts.num_draft_tokens < 3 * counts.num_drafts
