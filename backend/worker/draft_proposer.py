@@ -41,6 +41,7 @@ from pagedllm.core.model_source import DEFAULT_MODEL_DIR, resolve_model_dir
 from pagedllm.core.request import Sample
 from pagedllm.worker.input_batch import StepInputs
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.sampler import argmax_rows
 
 DEFAULT_DRAFT_DIR = DEFAULT_MODEL_DIR / "draft"
 
@@ -201,9 +202,9 @@ class DraftProposer:
         """Each row's guess, its ``q`` (None for greedy: one-hot) and whether the draft's probability of it
         reaches the confidence threshold."""
         threshold = self.confidence_threshold
-        greedy = logits.argmax(dim=-1).tolist()
-        # A greedy guess is the argmax: its probability is the softmax's largest, 1 / sum(exp(logit - max)).
-        top = (1.0 / (logits - logits.amax(dim=-1, keepdim=True)).exp_().sum(dim=-1)).tolist() if threshold else None
+        greedy = argmax_rows(logits).tolist()
+        # A greedy guess is the argmax, so its probability is the softmax's largest.
+        top = logits.softmax(dim=-1).amax(dim=-1).tolist() if threshold else None
         drawn: list[tuple[int, torch.Tensor | None, bool]] = []
         for row, request in enumerate(requests):
             if request.temperature == 0.0:
