@@ -40,7 +40,7 @@ MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 # A draft model's guess below this probability (under the draft) ends its drafting for the step. Chosen on the
 # default model and its shipped draft, where it cut more draft steps than accepted tokens (RESULTS, issue 41 on
-# the AMX host, "Draft steps cut by the draft's confidence").
+# the AMX host, "Where a speculative step's time goes; draft steps cut by the draft's confidence").
 DEFAULT_DRAFT_CONFIDENCE_THRESHOLD = 0.3
 # Drafted tokens a request is measured over before its acceptance rate may turn its speculation off.
 ACCEPTANCE_RATE_MIN_DRAFTS = 32
