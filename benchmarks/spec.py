@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
+    parser.add_argument("--draft-confidence-threshold", type=float, default=None,
+                        help="speculative_config.draft_confidence_threshold with --method draft_model (default: the "
+                             "config's default; 0 drafts k every step)")
     parser.add_argument("--disable-by-batch-size", type=int, default=None,
                         help="speculative_config.disable_by_batch_size (default: the config's default)")
     parser.add_argument("--threads", type=int, default=1)
@@ -70,8 +73,11 @@ def speculative_config(args: argparse.Namespace) -> dict[str, Any]:
     config: dict[str, Any] = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
     if args.method == "ngram":
         config.update(prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
-    elif args.draft_model is not None:
-        config["model"] = args.draft_model
+    else:
+        if args.draft_model is not None:
+            config["model"] = args.draft_model
+        if args.draft_confidence_threshold is not None:
+            config["draft_confidence_threshold"] = args.draft_confidence_threshold
     if args.disable_by_batch_size is not None:
         config["disable_by_batch_size"] = args.disable_by_batch_size
     return config

@@ -33,12 +33,13 @@ def test_spec_bench_batches_every_prompt_at_each_concurrency() -> None:
 
 
 def test_spec_bench_runs_a_draft_model(tmp_path: Path) -> None:
-    # The target as its own draft: every greedy draft is accepted.
+    # The target as its own draft: every greedy draft is accepted, and at threshold 0 every run is all 3 long.
     args = build_parser(load_benches=True).parse_args(
         ["bench", "spec", "--method", "draft_model", "--draft-model", str(DEFAULT_MODEL_DIR), "--concurrency", "1",
          "--runs", "1", "--max-tokens", "12", "--num-speculative-tokens", "3", "--prompts", "1", "--dtype", "bfloat16",
-         "--out", str(tmp_path)])
+         "--draft-confidence-threshold", "0", "--out", str(tmp_path)])
     args.handler(args)
     report = json.loads((tmp_path / "spec_draft_model.json").read_text())
     assert (report["config"]["method"], report["dtype"]) == ("draft_model", "bfloat16")
+    assert report["config"]["draft_confidence_threshold"] == 0
     assert all(row["drafts"] > 0 and row["acceptance_length"] > 3 for row in report["rows"])

@@ -47,9 +47,12 @@ def draft_dir(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.Te
     return build
 
 
-def with_draft(model_dir: Path, draft: Path, **engine_args: object) -> LLM:
+def with_draft(model_dir: Path, draft: Path, threshold: float = 0.0, **engine_args: object) -> LLM:
+    """A tiny random model's draft is rarely confident (its softmax is nearly flat): the cases drafting all ``K``
+    at every step pin the confidence threshold to 0."""
     return LLM(model=str(model_dir), dtype="float32", **engine_args, speculative_config={
-        "method": "draft_model", "model": str(draft), "num_speculative_tokens": K, "disable_by_batch_size": 0})
+        "method": "draft_model", "model": str(draft), "num_speculative_tokens": K, "disable_by_batch_size": 0,
+        "draft_confidence_threshold": threshold})
 
 
 def assert_speculated(llm: LLM) -> None:
@@ -112,21 +115,25 @@ def test_greedy_with_a_draft_model_equals_without(arch: str, case: str, tiny_mod
 
 
 @pytest.mark.full
+@pytest.mark.parametrize("threshold", [0.0, 0.3])
 def test_first_three_tokens_follow_the_target_distribution(tiny_model_dir: Callable[[str], Path],
-                                                           tmp_path: Path) -> None:
+                                                           tmp_path: Path, threshold: float) -> None:
     """As the n-gram test (test_spec_decode_distribution), with drafts drawn from the draft's own q and
     verified by rejection sampling. The draft is noisier there: at temperature 0.5 its q must differ
-    from p enough for rejections to matter."""
+    from p enough for rejections to matter. At threshold 0.3 (about the median q of a drawn draft here)
+    a run's length depends on what the draft drew, which must not bias what the target keeps."""
     model_dir = tiny_model_dir("llama")
     draft = noisy_draft(model_dir, tmp_path / "draft", 0.02)
     plain = LLM(model=str(model_dir), dtype="float32", max_num_seqs=256)
     want = first_three(plain, range(SAMPLES))
-    llm = with_draft(model_dir, draft, max_num_seqs=256)
+    llm = with_draft(model_dir, draft, threshold, max_num_seqs=256)
     got = first_three(llm, range(SAMPLES, 2 * SAMPLES))
     counts = llm.engine.stats().spec_decode
     assert counts is not None
     accepted = counts.num_accepted_tokens_per_pos
     assert counts.num_drafts > SAMPLES and 100 < accepted[1] < accepted[0] < counts.num_drafts - 100
+    if threshold:
+        assert counts.num_draft_tokens < K * counts.num_drafts - 100  # runs were cut by what the draft drew
     for name, pick in (("joint", lambda t: t), ("t1", lambda t: t[0]), ("t2", lambda t: t[1]), ("t3", lambda t: t[2])):
         p = chi_square_p([pick(t) for t in got], [pick(t) for t in want])
         assert p > 1e-3, f"{name}: the speculative samples differ from the target's (chi-square p={p:.2e})"
@@ -213,6 +220,25 @@ def test_sampled_drafts_are_verified_by_rejection(tiny_model_dir: Callable[[str]
     assert counts is not None and 0 < counts.num_accepted_tokens < counts.num_draft_tokens
 
 
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=16, temperature=0.8, seed=5, ignore_eos=True)],
+                         ids=["greedy", "sampled"])
+def test_a_doubted_guess_is_the_last_of_its_step(tiny_model_dir: Callable[[str], Path],
+                                                 draft_dir: Callable[[str], Path], params: SamplingParams) -> None:
+    """At threshold 1 every guess is doubted (the draft never gives one probability 1), so each verification holds
+    exactly one draft, verified exactly as a whole run would be: greedy tokens equal those without speculation,
+    and sampled drafts still go through rejection (some accepted, some not)."""
+    model_dir, draft = tiny_model_dir("llama"), draft_dir("llama")
+    prompts = random_prompts(seed=5)[:3]
+    llm = with_draft(model_dir, draft, threshold=1.0)
+    got = run(llm, prompts, params)
+    if params.greedy:
+        assert_same(got, run(LLM(model=str(model_dir), dtype="float32"), prompts, params))
+    counts = llm.engine.stats().spec_decode
+    assert counts is not None and counts.num_drafts > 0
+    assert counts.num_draft_tokens == counts.num_drafts
+    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
+
+
 def test_a_request_below_disable_by_acceptance_rate_stops_proposing(tiny_model_dir: Callable[[str], Path],
                                                                       draft_dir: Callable[[str], Path]) -> None:
     """The draft agrees about 40% of the time: a 0.9 floor turns each request's speculation off once it has
@@ -224,7 +250,7 @@ def test_a_request_below_disable_by_acceptance_rate_stops_proposing(tiny_model_d
     for floor in (0.9, 0.1):
         llm = LLM(model=str(model_dir), dtype="float32", speculative_config={
             "method": "draft_model", "model": str(draft), "num_speculative_tokens": K, "disable_by_batch_size": 0,
-            "disable_by_acceptance_rate": floor})
+            "disable_by_acceptance_rate": floor, "draft_confidence_threshold": 0})
         assert_same(run(llm, prompts, GREEDY), want)
         counts = llm.engine.stats().spec_decode
         assert counts is not None
@@ -246,3 +272,5 @@ def test_the_default_model_speculates_with_its_shipped_draft() -> None:
     assert llm.generate(prompt, params)[0].outputs[0].token_ids == want
     counts = llm.engine.stats().spec_decode
     assert counts is not None and counts.num_drafts > 0
+    # The default confidence threshold ended some runs early and let others run to more than one draft.
+    assert counts.num_drafts < counts.num_draft_tokens < 3 * counts.num_drafts

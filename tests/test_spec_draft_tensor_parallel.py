@@ -33,7 +33,8 @@ def llama_draft(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.
 
 def draft_at_tp2(model_dir: Path, draft: Path, **engine_args: object) -> LLM:
     return LLM(model=str(model_dir), dtype="float32", tensor_parallel_size=2, **engine_args, speculative_config={
-        "method": "draft_model", "model": str(draft), "num_speculative_tokens": K, "disable_by_batch_size": 0})
+        "method": "draft_model", "model": str(draft), "num_speculative_tokens": K, "disable_by_batch_size": 0,
+        "draft_confidence_threshold": 0})
 
 
 @pytest.mark.full

@@ -15,6 +15,12 @@ has had ``ACCEPTANCE_RATE_MIN_DRAFTS`` tokens drafted, it stops proposing for go
 its drafted tokens accepted so far is below this rate, since each rejected draft costs a forward row
 (and, with a draft model, a draft step) that buys nothing.
 
+``draft_confidence_threshold`` (method ``draft_model`` only; ours, vLLM has none): a draft model stops
+guessing further ahead for a sequence after a guess it gave less than this probability, since a
+guess the draft itself doubts is likely rejected and every draft step after it would be wasted
+(``num_speculative_tokens`` is then the most drafts per step). ``None`` keeps the measured default
+(``DEFAULT_DRAFT_CONFIDENCE_THRESHOLD``); ``0`` always drafts ``k``.
+
 Torch-free, like the rest of the configuration.
 """
 from __future__ import annotations
@@ -32,6 +38,10 @@ MAX_SPECULATIVE_TOKENS = 16
 # Above this many running sequences a step decodes normally: half the batch size where n-gram speculation
 # stopped paying on a CPU with the default model (pagedllm bench spec --disable-by-batch-size 0; RESULTS).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+# A draft model's guess below this probability (under the draft) ends its drafting for the step. Chosen on the
+# default model and its shipped draft, where it cut more draft steps than accepted tokens (RESULTS, issue 41 on
+# the AMX host, "Where a speculative step's time goes; draft steps cut by the draft's confidence").
+DEFAULT_DRAFT_CONFIDENCE_THRESHOLD = 0.3
 # Drafted tokens a request is measured over before its acceptance rate may turn its speculation off.
 ACCEPTANCE_RATE_MIN_DRAFTS = 32
 
@@ -45,6 +55,7 @@ class SpeculativeConfig:
     model: str | None = None  # the draft checkpoint (method draft_model)
     disable_by_batch_size: int | None = None
     disable_by_acceptance_rate: float | None = None
+    draft_confidence_threshold: float | None = None
 
     def __post_init__(self) -> None:
         _require(self.method in METHODS, "method", self.method, f"one of {', '.join(METHODS)}")
@@ -70,12 +81,25 @@ class SpeculativeConfig:
         rate = self.disable_by_acceptance_rate
         _require(rate is None or (isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0.0 <= rate <= 1.0),
                  "disable_by_acceptance_rate", rate, "null or a number in [0, 1]")
+        threshold = self.draft_confidence_threshold
+        if self.method == "draft_model":
+            _require(threshold is None or (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
+                                           and 0.0 <= threshold <= 1.0),
+                     "draft_confidence_threshold", threshold, "null or a number in [0, 1]")
+        else:
+            _require(threshold is None, "draft_confidence_threshold", threshold, f"null with method {self.method!r}")
 
     @property
     def max_batch_size(self) -> int | None:
         """The most running sequences a speculating step may have; None: no limit."""
         limit = DEFAULT_DISABLE_BY_BATCH_SIZE if self.disable_by_batch_size is None else self.disable_by_batch_size
         return None if limit == 0 else limit
+
+    @property
+    def confidence_threshold(self) -> float:
+        """The draft probability below which a draft model's guess is its last for the step."""
+        threshold = self.draft_confidence_threshold
+        return DEFAULT_DRAFT_CONFIDENCE_THRESHOLD if threshold is None else float(threshold)
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str) -> SpeculativeConfig:

@@ -83,7 +83,8 @@ class LLMEngine:
         self.speculative = (None if config.speculative_config is None else SpeculativeDecoding(
             config.speculative_config, self.scheduler.stop_policy, self.structured,
             None if side.draft_runner is None else DraftProposer(
-                side.draft_runner, config.speculative_config.num_speculative_tokens, config.max_num_batched_tokens)))
+                side.draft_runner, config.speculative_config.num_speculative_tokens, config.max_num_batched_tokens,
+                config.speculative_config.confidence_threshold)))
         if side.draft_runner is not None and config.speculative_config is not None:
             # The draft writes K/V for its guesses after a sequence's last token: room for them comes with the step.
             self.scheduler.num_lookahead_slots = config.speculative_config.num_speculative_tokens

@@ -162,8 +162,11 @@ class SpeculativeDecoding:
             picks.extend(range(first, first + len(drafts) + 1))
             rows.extend(position_rows)
             owners.extend([seq] * len(position_rows))
-        tokens = (sample(logits[torch.tensor(picks, device=logits.device, dtype=torch.long)], owners, errors, rows)
-                  if picks else [])
+        if picks == list(range(logits.shape[0])):  # every row, in order (a lone sequence): no gather to copy them
+            tokens = sample(logits, owners, errors, rows)
+        else:
+            tokens = (sample(logits[torch.tensor(picks, device=logits.device, dtype=torch.long)], owners, errors, rows)
+                      if picks else [])
         offset = 0
         for index, drafts in one_hot:
             target = tokens[offset : offset + len(drafts) + 1]
@@ -177,6 +180,8 @@ class SpeculativeDecoding:
     def _position_row(self, seq: Sample, base: SamplingRow, drafts: tuple[int, ...]) -> SamplingRow:
         """The sampling row of the position after ``drafts``: penalties and ``min_tokens`` count them too."""
         params = base.params
+        if base.penalties is None and not base.suppressed_token_ids:
+            return base  # nothing counts the drafts, and min_tokens (if any) was reached before them
         penalties = None if base.penalties is None else base.penalties.extended(drafts)
         suppressed: tuple[int, ...] = ()
         if params.min_tokens and seq.num_output_tokens + len(drafts) < params.min_tokens:

@@ -18,6 +18,12 @@ finished sequences are forgotten.
 Each draft is drawn from ``q``: the draft's argmax for a greedy request, else its softmax at the
 request's temperature, with the sample's own generator. The rows of ``q`` are returned for the
 rejection sampler.
+
+A sequence stops drafting for the step after a guess whose probability under the draft (its softmax
+at temperature 1 for a greedy request, ``q`` for a sampled one) is below ``confidence_threshold``: the
+guess itself is still proposed (its logits are paid for; it costs only a verifying row), but the draft
+steps after it would mostly feed a rejected token. The stop depends on the draft's own draws only, so
+rejection sampling stays exact.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from pagedllm.core.model_source import DEFAULT_MODEL_DIR, resolve_model_dir
 from pagedllm.core.request import Sample
 from pagedllm.worker.input_batch import StepInputs
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.sampler import argmax_rows
 
 DEFAULT_DRAFT_DIR = DEFAULT_MODEL_DIR / "draft"
 
@@ -82,9 +89,11 @@ def check_draft_checkpoint(draft_dir: Path, target_dir: Path, target_vocab_size:
 
 
 class DraftProposer:
-    def __init__(self, runner: ModelRunner, num_speculative_tokens: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, runner: ModelRunner, num_speculative_tokens: int, max_num_batched_tokens: int,
+                 confidence_threshold: float = 0.0) -> None:
         self.runner = runner
         self.k = num_speculative_tokens
+        self.confidence_threshold = confidence_threshold
         self.block_size = runner.block_size
         self.device = runner.device
         self.max_tokens = max_num_batched_tokens
@@ -101,12 +110,15 @@ class DraftProposer:
         logits = torch.stack([first[i] for i in drafting]) if drafting else None
         step = 0
         while drafting and logits is not None:
-            for i, (token, q) in zip(drafting, self._draw(logits, [requests[i] for i in drafting])):
+            doubted: set[int] = set()  # the sequences whose guess this step ends their drafting
+            for i, (token, q, confident) in zip(drafting, self._draw(logits, [requests[i] for i in drafting])):
                 tokens[i].append(token)
                 if q is not None:
                     probs[i].append(q)
+                if not confident:
+                    doubted.add(i)
             step += 1
-            drafting = [i for i in drafting if len(tokens[i]) < self._room(requests[i])]
+            drafting = [i for i in drafting if i not in doubted and len(tokens[i]) < self._room(requests[i])]
             if drafting:
                 logits = self._decode([requests[i].seq for i in drafting], [tokens[i][-1] for i in drafting], step)
         return [Proposal(tokens.get(i, []), torch.stack(probs[i]) if probs.get(i) else None)
@@ -186,16 +198,21 @@ class DraftProposer:
             raise RuntimeError("the draft model returned no logits")
         return logits.float()
 
-    def _draw(self, logits: torch.Tensor, requests: Seq[DraftRequest]) -> list[tuple[int, torch.Tensor | None]]:
-        greedy = logits.argmax(dim=-1).tolist()
-        drawn: list[tuple[int, torch.Tensor | None]] = []
+    def _draw(self, logits: torch.Tensor, requests: Seq[DraftRequest]) -> list[tuple[int, torch.Tensor | None, bool]]:
+        """Each row's guess, its ``q`` (None for greedy: one-hot) and whether the draft's probability of it
+        reaches the confidence threshold."""
+        threshold = self.confidence_threshold
+        greedy = argmax_rows(logits).tolist()
+        # A greedy guess is the argmax, so its probability is the softmax's largest.
+        top = logits.softmax(dim=-1).amax(dim=-1).tolist() if threshold else None
+        drawn: list[tuple[int, torch.Tensor | None, bool]] = []
         for row, request in enumerate(requests):
             if request.temperature == 0.0:
-                drawn.append((greedy[row], None))
+                drawn.append((greedy[row], None, top is None or top[row] >= threshold))
                 continue
             q = (logits[row] / request.temperature).softmax(dim=-1)
             token = int(torch.multinomial(q, 1, generator=request.generator))
-            drawn.append((token, q))
+            drawn.append((token, q, float(q[token]) >= threshold))
         return drawn
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

@@ -123,11 +123,11 @@ class Sampler:
             return []
         raw = logits.float()
         if all([row.argmax_only for row in rows]):  # the common greedy batch: nothing to copy, mask or report
-            return [SampledToken(token_id, None, None) for token_id in _argmax(raw).tolist()]
+            return [SampledToken(token_id, None, None) for token_id in argmax_rows(raw).tolist()]
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         edits = any(row.suppressed_token_ids or needs_penalties(row.params) for row in rows)
         if not edits and not random_rows:  # greedy, but some rows report logprobs
-            return _results(raw, _argmax(raw), rows)
+            return _results(raw, argmax_rows(raw), rows)
         work = raw.clone()
         apply_penalties(work, rows)
         apply_suppression(work, rows)
@@ -136,14 +136,14 @@ class Sampler:
         greedy_rows = [i for i, row in enumerate(rows) if row.params.greedy]
         if greedy_rows:
             index = _index(greedy_rows, work.device)
-            chosen[index] = _argmax(work[index])
+            chosen[index] = argmax_rows(work[index])
         if random_rows:
             index = _index(random_rows, work.device)
             chosen[index] = _sample(work[index], [rows[i] for i in random_rows])
         return _results(raw, chosen, rows)
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax; ties and NaNs pick the lowest id."""
     if logits.device.type == "cpu":
         # numpy's SIMD argmax is about ten times faster than torch's on CPU, with the same tie and NaN rules.
@@ -213,7 +213,7 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     for i, row in enumerate(rows):
         if row.generator is not None:
             noise[i].uniform_(generator=row.generator)
-    return _argmax(probs / noise.log_().neg_())
+    return argmax_rows(probs / noise.log_().neg_())
 
 
 def _filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
