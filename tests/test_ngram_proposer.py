@@ -1,15 +1,15 @@
 """The n-gram (prompt lookup) proposer: the longest earlier suffix match, its latest occurrence, the limits,
-and the incremental token mirrors, checked against a brute-force search on random contexts."""
+and the incremental suffix indexes, checked against a brute-force search on random contexts, whole and grown
+piece by piece."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.core.request import Request
 from pagedllm.core.sampling_params import SamplingParams
-from pagedllm.worker.ngram_proposer import NgramProposer, lookup
+from pagedllm.worker.ngram_proposer import NgramProposer, SuffixIndex
 
 
 def brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -21,8 +21,14 @@ def brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     return []
 
 
+def lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    index = SuffixIndex(min_n, max_n)
+    index.extend(tokens)
+    return index.propose(tokens, k)
+
+
 def test_the_longest_suffix_wins_then_its_latest_occurrence() -> None:
-    tokens = np.array([1, 2, 3, 9, 9, 2, 3, 7, 7, 1, 2, 3])
+    tokens = [1, 2, 3, 9, 9, 2, 3, 7, 7, 1, 2, 3]
     # "1 2 3" occurred at 0 (then 9 9 2); "2 3" alone occurred later at 5 (then 7 7 1): three tokens match first.
     assert lookup(tokens, 1, 3, 3) == [9, 9, 2]
     assert lookup(tokens, 1, 2, 3) == [7, 7, 1]  # with at most 2, the latest "2 3" wins
@@ -31,15 +37,28 @@ def test_the_longest_suffix_wins_then_its_latest_occurrence() -> None:
 
 
 def test_a_proposal_may_run_into_the_suffix_itself_and_stops_at_the_end() -> None:
-    assert lookup(np.array([5, 6, 5, 6, 5]), 1, 2, 4) == [6, 5]
-    assert lookup(np.array([4, 4, 4]), 1, 1, 5) == [4]
-    assert lookup(np.array([4]), 1, 1, 5) == []
+    assert lookup([5, 6, 5, 6, 5], 1, 2, 4) == [6, 5]
+    assert lookup([4, 4, 4], 1, 1, 5) == [4]
+    assert lookup([4], 1, 1, 5) == []
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(0, 4), min_size=1, max_size=60), st.integers(1, 4), st.integers(0, 3), st.integers(1, 5))
 def test_matches_brute_force(tokens: list[int], min_n: int, extra: int, k: int) -> None:
-    assert lookup(np.array(tokens), min_n, min_n + extra, k) == brute_force(tokens, min_n, min_n + extra, k)
+    assert lookup(tokens, min_n, min_n + extra, k) == brute_force(tokens, min_n, min_n + extra, k)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=50), st.lists(st.integers(1, 6), min_size=1, max_size=12),
+       st.integers(1, 3), st.integers(0, 3))
+def test_an_index_grown_piece_by_piece_matches_brute_force(tokens: list[int], pieces: list[int], min_n: int,
+                                                            extra: int) -> None:
+    index = SuffixIndex(min_n, min_n + extra)
+    end = 0
+    for piece in pieces:  # the engine appends one token, or an accepted run, per step
+        end = min(end + piece, len(tokens))
+        index.extend(tokens[:end])
+        assert index.propose(tokens[:end], 4) == brute_force(tokens[:end], min_n, min_n + extra, 4)
 
 
 def sequence(tokens: list[int], prompt_len: int):
@@ -52,7 +71,7 @@ def test_the_proposer_mirrors_growing_sequences_and_respects_each_limit() -> Non
     a = sequence([1, 2, 3, 4, 5, 1, 2], 5)
     b = sequence([7, 8, 7], 3)
     assert proposer.propose([a, b], [5, 5]) == [[3, 4, 5], []]
-    a.token_ids += [3, 4, 5, 1, 2, 3] * 50  # grows past the mirror's first capacity
+    a.token_ids += [3, 4, 5, 1, 2, 3] * 50  # grows by many tokens at once
     b.token_ids += [8]
     assert proposer.propose([a, b], [2, 0]) == [[3, 4], []]  # a's limit 2; b's limit 0 proposes nothing
     assert proposer.propose([b], [5]) == [[7, 8]]

@@ -20,9 +20,13 @@ def test_spec_bench_tiny_run_writes_every_number(tmp_path: Path) -> None:
     rows = written["rows"]
     assert [(row["workload"], row["concurrency"]) for row in rows] == [
         ("copying", 1), ("copying", 2), ("free", 1), ("free", 2)]
-    assert all(row["tpot_ms_without"] > 0 and row["tpot_ms_with"] > 0 for row in rows)
+    for row in rows:
+        assert row["wall_ms_per_token_without"] > 0 and row["wall_ms_per_token_with"] > 0
+        assert row["tpot_ms_without"] > 0 and row["tpot_ms_with"] > 0
     assert all(row["tokens_identical"] for row in rows)  # float32: the run itself fails otherwise
     assert rows[0]["drafts"] > 0 and rows[0]["acceptance_length"] > 1
+    # A decode step without speculation gives one token, one with it at least one: accepted drafts save steps.
+    assert all(row["decode_steps_ratio"] <= 1 for row in rows) and rows[0]["decode_steps_ratio"] < 1
 
 
 def test_spec_bench_batches_every_prompt_at_each_concurrency() -> None:

@@ -6,20 +6,50 @@ propose the up-to-``k`` tokens that followed that earlier occurrence (its most r
 when several match equally long). Editing code or text, where the output copies spans
 of the prompt, is where this pays.
 
-Each sequence's tokens are mirrored in a numpy buffer that grows by the tokens appended
-since the last call, so a step never copies a whole context; the search itself is a
-vectorised comparison over the context, ``prompt_lookup_max`` passes over the candidates.
+Each sequence keeps a :class:`SuffixIndex`: for every n-gram of its tokens, where it last
+ended. It grows by the tokens appended since the last call, so a step never scans a whole
+context, and a proposal is at most one dictionary lookup per suffix length. A search over
+the context in numpy cost more per step, because the engine calls it cache-cold after each
+forward, and grew with the context. The price is paid once per token: a prompt is indexed
+at its first proposal, and the index holds one entry per n-gram length per token.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
-import numpy as np
-
 from pagedllm.core.request import Sample
 
-_MIN_CAPACITY = 256
+
+class SuffixIndex:
+    """Where each n-gram (``min_n`` <= n <= ``max_n``) of a sequence's tokens last ended, counting every n-gram
+    but those ending at its last token: those are the suffixes a proposal looks up, which must occur earlier."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.sizes = range(max_n, min_n - 1, -1)  # longest first: the longest match wins
+        self.length = 0  # tokens seen by ``extend``
+        self._last_end: dict[tuple[int, ...], int] = {}  # n-gram -> its latest end; n is the key's length
+
+    def extend(self, tokens: Seq[int]) -> None:
+        """Index the n-grams ending before ``tokens``' last token that the previous call had not (``tokens``
+        extends those it saw)."""
+        for end in range(max(self.length - 1, 0), len(tokens) - 1):
+            for n in self.sizes:
+                if end + 1 >= n:
+                    self._last_end[tuple(tokens[end + 1 - n : end + 1])] = end
+        self.length = len(tokens)
+
+    def propose(self, tokens: Seq[int], k: int) -> list[int]:
+        """The up-to-``k`` tokens that followed the latest earlier occurrence of ``tokens``' longest indexed
+        suffix; [] when none occurred before. ``tokens`` are those the last ``extend`` saw."""
+        length = len(tokens)
+        for n in self.sizes:
+            if n >= length:  # an earlier occurrence needs a token before the suffix
+                continue
+            end = self._last_end.get(tuple(tokens[length - n :]))
+            if end is not None:
+                return list(tokens[end + 1 : end + 1 + k])
+        return []
 
 
 class NgramProposer:
@@ -30,7 +60,7 @@ class NgramProposer:
         self.k = num_speculative_tokens
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
-        self._buffers: dict[int, tuple[np.ndarray, int]] = {}  # seq id -> (tokens, how many are filled)
+        self._indexes: dict[int, SuffixIndex] = {}  # by seq id
 
     def propose(self, seqs: Seq[Sample], max_tokens: Seq[int]) -> list[list[int]]:
         """Up to ``min(k, max_tokens[i])`` proposed tokens to follow each of ``seqs``' tokens."""
@@ -40,55 +70,17 @@ class NgramProposer:
             if limit < 1:
                 proposals.append([])
                 continue
-            tokens = self._tokens_of(seq)
-            proposals.append(lookup(tokens, self.min_n, self.max_n, limit))
+            proposals.append(self._index_of(seq).propose(seq.token_ids, limit))
         return proposals
 
     def release(self, seq_ids: Iterable[int]) -> None:
         """Forget finished sequences."""
         for seq_id in seq_ids:
-            self._buffers.pop(seq_id, None)
+            self._indexes.pop(seq_id, None)
 
-    def _tokens_of(self, seq: Sample) -> np.ndarray:
-        token_ids = seq.token_ids
-        length = len(token_ids)
-        buffer, filled = self._buffers.get(seq.seq_id, (None, 0))
-        if buffer is None or filled > length or buffer.size < length:
-            grown = np.empty(max(_MIN_CAPACITY, 2 * length), dtype=np.int64)
-            if buffer is not None and filled <= length:
-                grown[:filled] = buffer[:filled]
-            else:
-                filled = 0
-            buffer = grown
-        if filled < length:
-            buffer[filled:length] = token_ids[filled:]
-        self._buffers[seq.seq_id] = (buffer, length)
-        return buffer[:length]
-
-
-def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
-    """The up-to-``k`` tokens that followed the latest earlier occurrence of ``tokens``' longest suffix
-    of ``min_n``..``max_n`` tokens; [] when no suffix of ``min_n`` tokens occurred before."""
-    length = tokens.size
-    max_n = min(max_n, length - 1)  # the suffix must fit, with an earlier start, before itself
-    if max_n < min_n:
-        return []
-    # ``ends``: where an earlier occurrence of the suffix could end (its last token equal to ours).
-    ends = np.flatnonzero(tokens[min_n - 1 : length - 1] == tokens[length - 1]) + (min_n - 1)
-    if ends.size == 0:
-        return []
-    matched = np.ones(ends.size, dtype=np.int64)
-    alive = np.ones(ends.size, dtype=bool)
-    for back in range(1, max_n):
-        starts = ends - back
-        ok = alive & (starts >= 0)
-        ok[ok] = tokens[starts[ok]] == tokens[length - 1 - back]
-        alive = ok
-        if not alive.any():
-            break
-        matched += alive
-    best = int(matched.max())
-    if best < min_n:
-        return []
-    end = int(ends[np.flatnonzero(matched == best)[-1]])
-    return tokens[end + 1 : end + 1 + k].tolist()
+    def _index_of(self, seq: Sample) -> SuffixIndex:
+        index = self._indexes.get(seq.seq_id)
+        if index is None or index.length > len(seq.token_ids):  # new, or its tokens were cut: start over
+            index = self._indexes[seq.seq_id] = SuffixIndex(self.min_n, self.max_n)
+        index.extend(seq.token_ids)
+        return index
