@@ -41,7 +41,9 @@ pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NUM_STREAMS = 16
-ENGINE_ARGS = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "num_kv_blocks": 400, "max_num_seqs": 32}
+# Streams long enough that none can end between being read as running and the kill, on any machine CI draws
+# (with 200 tokens, a fast one once saw all 16 finish in that window); blocks for all of them at once.
+ENGINE_ARGS = {"dtype": "float32", "device": "cpu", "max_model_len": 1024, "num_kv_blocks": 1100, "max_num_seqs": 32}
 
 
 @dataclass
@@ -158,7 +160,7 @@ def serve(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                       if "pagedllm" in line or "error" in line or "loading" in line)[-6000:])
 
 
-STREAM_TOKENS = 200
+STREAM_TOKENS = 1000
 
 
 def stream_prompt(i: int) -> str:
@@ -237,12 +239,17 @@ def test_a_killed_stub_fails_its_streams_and_the_server_comes_back(serve: Serve,
         stub = serve.stub_pid()
         stub_regions = shm_regions.named_by([stub])
         os.kill(stub, signal.SIGKILL)
-        not_ready_after = wait_until(lambda: not serve.ready(), timeout_s=10)
-        status, reason = serve.health()  # the liveness route runs a real step, which cannot happen now
-        assert status == 503 and "model 'llm'" in reason
-        for result in results:
-            assert result.done.wait(60), "a stream hung after its engine died"
-        back_after = wait_until(serve.ready, timeout_s=180, interval_s=0.2)
+        try:
+            not_ready_after = wait_until(lambda: not serve.ready(), timeout_s=10)
+            status, reason = serve.health()  # the liveness route runs a real step, which cannot happen now
+            assert status == 503 and "model 'llm'" in reason
+            for result in results:
+                assert result.done.wait(60), "a stream hung after its engine died"
+            back_after = wait_until(serve.ready, timeout_s=180, interval_s=0.2)
+        finally:
+            # The killed stub's region: tritonserver does not remove it. Removed even when a check fails, so
+            # that one failure is not also read as a leak at the end of the run.
+            shm_regions.remove_unmapped(stub_regions)
     finally:
         close_all(clients)
     print(f"\nkill -9: not ready after {not_ready_after:.2f} s, ready again after {not_ready_after + back_after:.1f} s")
@@ -252,7 +259,6 @@ def test_a_killed_stub_fails_its_streams_and_the_server_comes_back(serve: Serve,
     check_serving_again(serve, offline, restarts=restarts_before + 1)
     assert serve.health() == (200, "ok")
     assert stub_regions, "the stub named no shared-memory region"
-    shm_regions.remove_unmapped(stub_regions)  # the killed stub's region: tritonserver does not remove it
     causes = [line for line in serve.output if "pagedllm: " in line and "restart #" in line]
     died = [line for line in causes if "backend stub of model 'llm'" in line and "died:" in line]
     # Usually the supervisor finds the stub gone and says so; if tritonserver went down with it

@@ -28,8 +28,8 @@ from installed import need
 
 need("tritonclient.grpc")
 import shm_regions  # noqa: E402
-from test_triton_recovery import (Serve, check_cut_or_whole, close_all, in_flight, start_serve,  # noqa: E402
-                                  start_streams, stop_serve, wait_until)
+from test_triton_recovery import (ENGINE_ARGS, Serve, check_cut_or_whole, close_all, in_flight,  # noqa: E402
+                                  start_serve, start_streams, stop_serve, wait_until)
 from test_triton_server import StreamClient, greedy, make_inputs  # noqa: E402
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
@@ -39,7 +39,6 @@ from pagedllm.platform.processes import child_pids, free_port  # noqa: E402
 
 pytestmark = [pytest.mark.tritonserver, pytest.mark.server]
 
-ENGINE_ARGS = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "num_kv_blocks": 400, "max_num_seqs": 32}
 MAX_RELOADS = 2  # the killed worker of one test, then the crash loop of the next
 full_only = pytest.mark.full  # a restart costs ~30 s
 
