@@ -136,8 +136,20 @@ def settled(server: TritonServer, done: Callable[[Scrape], bool], timeout_s: flo
         current = scrape(server)
         if done(current) and current.value("vllm:num_requests_running") == 0:
             return current
-        assert time.monotonic() < deadline, "metrics did not settle"
+        assert time.monotonic() < deadline, "metrics did not settle: " + ", ".join(
+            f"{name} {value:g}" for (name, _), value in sorted(current.of_model(MODEL).items())
+            if not name.endswith("_bucket"))
         time.sleep(0.2)
+
+
+def one_request_settled(server: TritonServer) -> Scrape:
+    """The scrape once one short request's metrics are in. Settled on its own count, not on "some request
+    counted": a test that returns before its request is published leaves the next test a stale baseline
+    (CI once saw the prefix-cache test's delta include such a request, so it never settled)."""
+    before = scrape(server)
+    stream_once(server.grpc_url, "return", greedy(2), stream=True)
+    return settled(server, lambda s: s.value("vllm:e2e_request_latency_seconds_count")
+                   - before.value("vllm:e2e_request_latency_seconds_count") == 1)
 
 
 def test_known_requests_add_up_under_vllm_backend_names(server: TritonServer, tokenizer) -> None:
@@ -196,8 +208,7 @@ def test_known_requests_add_up_under_vllm_backend_names(server: TritonServer, to
 
 
 def test_every_vllm_backend_series_has_its_name_kind_help_labels_and_buckets(server: TritonServer) -> None:
-    stream_once(server.grpc_url, "return", greedy(2), stream=True)  # histograms with observations
-    current = settled(server, lambda s: s.value("vllm:e2e_request_latency_seconds_count") > 0)
+    current = one_request_settled(server)  # histograms with observations
     for name, (kind, help_text, buckets) in VLLM_SERIES.items():
         assert current.kinds.get(name) == kind, name
         assert current.helps.get(name) == help_text, name
@@ -218,8 +229,7 @@ def test_every_vllm_backend_series_has_its_name_kind_help_labels_and_buckets(ser
 
 
 def test_the_model_server_protocol_series_agree_with_the_engine(server: TritonServer) -> None:
-    stream_once(server.grpc_url, "return", greedy(2), stream=True)
-    current = settled(server, lambda s: s.value("vllm:e2e_request_latency_seconds_count") > 0)
+    current = one_request_settled(server)
     for name, (kind, help_text) in PROTOCOL_SERIES.items():
         assert (current.kinds.get(name), current.helps.get(name)) == (kind, help_text), name
     (config,) = [dict(labels) for sample, labels in current.of_model(MODEL) if sample == "vllm:cache_config_info"]
