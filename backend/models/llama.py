@@ -82,6 +82,11 @@ class Attention(nn.Module):
         cos, sin = rope
         if self.fused_rotary is not None:
             self.fused_rotary.rotate_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
+            attend_qkv = self.attention.attend_qkv
+            if attend_qkv is not None and self.kv_scales is None:
+                out = attend_qkv(qkv, *kv_cache, attn, self.scale, self.num_heads)
+                if out is not None:
+                    return self._output(out)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -102,7 +107,10 @@ class Attention(nn.Module):
                 scales.measure(k, v)
             self.attention.write_kv(k, v, k_cache, v_cache, attn.slot_mapping, scales.k, scales.v)
             out = self.attention.attend(q, k_cache, v_cache, attn, self.scale, scales.k, scales.v)
-        out = self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
+        return self._output(out.reshape(num_tokens, self.q_size))
+
+    def _output(self, attended: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(self.o_proj(attended))
         return out if self.o_bias is None else out.add_(self.o_bias)
 
 
