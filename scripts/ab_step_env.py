@@ -70,6 +70,21 @@ class Engine:
         return (time.perf_counter() - started) * 1e3
 
 
+def _stub_linears(cpu_linear: ModuleType) -> None:
+    """Make one version's packed linears return a zeroed buffer of their output's shape, one per linear and row
+    count: the step keeps every call around them and loses the GEMMs, whose share would hide the rest."""
+    buffers: dict[tuple[int, int], torch.Tensor] = {}
+
+    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+        key = (id(self), x.shape[0])
+        if key not in buffers:
+            buffers[key] = torch.zeros(x.shape[0], self.out_features, dtype=x.dtype)
+        return buffers[key]
+
+    for name in ("PackedLinear", "OneDnnLinear", "MklPackedLinear"):
+        getattr(cpu_linear, name).forward = forward
+
+
 def _pagedllm_modules() -> dict[str, ModuleType]:
     return {name: module for name, module in sys.modules.items() if name == "pagedllm" or name.startswith("pagedllm.")}
 
@@ -88,6 +103,9 @@ def main() -> None:
     parser.add_argument("--prefills", type=int, default=3)
     parser.add_argument("--base", type=Path, default=None,
                         help="a tree whose backend/ is engine A's pagedllm (B's is the working tree's)")
+    parser.add_argument("--stub-linears", action="store_true",
+                        help="packed linears answer from a buffer instead of computing, in both engines: times the "
+                             "step's work outside its linears (the tokens are then meaningless, but alike)")
     args = parser.parse_args()
     max_len = max(args.context, args.prompt_len) + args.steps + 16
     checkpoint = bench_model(args.model)
@@ -98,6 +116,9 @@ def main() -> None:
             (package_parent / "pagedllm").symlink_to((args.base / "backend").resolve())
         engines = {"A": Engine(checkpoint, args.dtype, args.a, args.batch, max_len, package_parent),
                    "B": Engine(checkpoint, args.dtype_b or args.dtype, args.b, args.batch, max_len, None)}
+    if args.stub_linears:
+        for engine in engines.values():
+            _stub_linears(engine.modules["pagedllm.layers.cpu_linear"])
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 2000, (args.context,), generator=generator).tolist() for _ in range(args.batch)]
     long_prompt = torch.randint(3, 2000, (args.prompt_len,), generator=generator).tolist()

@@ -63,6 +63,7 @@ def install() -> None:
     _patch(cpu_linear.OneDnnLinear, "forward", "linears")  # its own forward: the bias inside the GEMM
     _patch(cpu_attention.CpuPagedAttention, "attend", "attention")
     _patch(cpu_attention.CpuPagedAttention, "write_kv", "attention")
+    _patch(cpu_attention.CpuPagedAttention, "attend_qkv", "attention")
     _patch(norm_rotary.RMSNorm, "forward", "norms+rotary+silu")
     _patch(norm_rotary.RMSNorm, "add_and_norm", "norms+rotary+silu")
     _patch(llama, "apply_rotary", "norms+rotary+silu")

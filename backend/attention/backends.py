@@ -54,6 +54,10 @@ class AttentionBackend:
     write_kv: Callable[..., None]
     copy_blocks: Callable[..., None]
     new_cache: NewCache = _new_contiguous_cache
+    # attend_qkv(qkv, k_cache, v_cache, planned metadata, scale, num_heads) -> [num_tokens, num_heads * head_dim] or
+    # None: write_kv and attend in one from a layer's fused, rotated q|k|v rows, for the steps the backend has a
+    # faster way for (CpuPagedAttention.attend_qkv); None for a step that takes the two calls.
+    attend_qkv: Callable[..., torch.Tensor | None] | None = None
 
 
 def _attend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
@@ -81,7 +85,7 @@ def torch_backend(native: bool = True) -> AttentionBackend:
     """
     attention = CpuPagedAttention(load_native_decode() if native else None, load_native_prefill() if native else None)
     return AttentionBackend("torch", plan_cpu_attention, attention.attend, attention.write_kv, copy_blocks_ref,
-                            new_cpu_cache)
+                            new_cpu_cache, attention.attend_qkv)
 
 
 def triton_backend() -> AttentionBackend:

@@ -29,7 +29,9 @@ bf16 decode steps go to the same compiled routine: bf16 queries and blocks widen
 as they are read, float32 sums, the output rounded to bf16 there, and the softmax weights rounded to
 bf16 before they weigh V, as torch's bf16 SDPA rounds them (bf16 greedy tokens are judged against
 transformers' bf16 forward, which runs that SDPA: tests/test_bf16_accuracy.py). Steps that mix bf16
-prefills and decodes stay on the torch path.
+prefills and decodes stay on the torch path. In a decode-only step, :meth:`CpuPagedAttention.attend_qkv` writes
+and attends straight from each layer's fused q|k|v rows, with the routines' arguments bound once for the step
+(:class:`pagedllm.attention.native_decode.BoundDecodes`).
 
 8-bit (fp8) caches are read without a full-precision copy of the cache: the compiled routine
 dequantizes one block at a time as it reads it, and the torch path dequantizes the blocks it
@@ -48,7 +50,7 @@ from pagedllm.kernels.reference import FP8_DTYPES, quantize_kv_ref, write_kv_ref
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.platform.cpu_memory import advise_huge_pages
 from pagedllm.attention.cpu_attention_plan import CpuAttentionPlan, DecodeBatch, SharedPrefix
-from pagedllm.attention.native_decode import NativeDecode
+from pagedllm.attention.native_decode import BoundDecodes, NativeDecode
 from pagedllm.attention.native_prefill import NativePrefill
 
 
@@ -172,6 +174,8 @@ class CpuPagedAttention:
         self._native = native
         self._native_prefill = native_prefill
         self._buffers: dict[tuple[str, torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = {}
+        # The current step's plan and its decodes bound for attend_qkv (None: the step is not for it).
+        self._bound: tuple[object, BoundDecodes | None] = (None, None)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
@@ -250,6 +254,32 @@ class CpuPagedAttention:
                                                       is_causal=chunk.mask is None, enable_gqa=group > 1)
             out[chunk.start : chunk.start + chunk.query_len] = attended[0].transpose(0, 1)
         return out
+
+    def attend_qkv(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   metadata: AttentionMetadata, scale: float, num_heads: int) -> torch.Tensor | None:
+        """A decode-only step's :meth:`write_kv` and :meth:`attend` in one, from a layer's fused, rotated q|k|v rows
+        [num_tokens, (num_heads + 2 kv_heads) * head_dim]: the attention as [num_tokens, num_heads * head_dim], in
+        a buffer that the next layer's call overwrites. ``None`` where the compiled routine does not take the step
+        (prefills, 8-bit caches, no compiler): the caller then splits q|k|v and calls the two."""
+        plan, bound = self._bound
+        if plan is not metadata.plan or (bound is not None and not bound.fits(qkv, k_cache, v_cache, scale)):
+            bound = self._bind(qkv, k_cache, v_cache, metadata, scale, num_heads)
+            self._bound = (metadata.plan, bound)
+        return None if bound is None else bound(qkv, k_cache, v_cache)
+
+    def _bind(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
+              scale: float, num_heads: int) -> BoundDecodes | None:
+        plan = metadata.plan
+        if (self._native is None or not isinstance(plan, CpuAttentionPlan) or metadata.max_query_len != 1
+                or qkv.dim() != 2 or qkv.dtype not in (torch.float32, torch.bfloat16) or qkv.device.type != "cpu"
+                or not qkv.is_contiguous() or not (k_cache.dtype == v_cache.dtype == qkv.dtype)
+                or not (_is_head_major(k_cache) and _is_head_major(v_cache))):
+            return None
+        decodes = plan.layout(k_cache.shape[1], torch.float32, True).native_decodes
+        if decodes is None:
+            return None
+        bound = self._native.bind(decodes, metadata.slot_mapping, qkv, k_cache, num_heads, scale)
+        return bound if bound.fits(qkv, k_cache, v_cache, scale) else None
 
     def _attend_bf16_decodes(self, native: NativeDecode, q: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, plan: CpuAttentionPlan, scale: float) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from pagedllm.kernels.reference import FP8_DTYPES
 from pagedllm.attention.cpu_attention_plan import NativeDecodes
 from pagedllm.platform.native_build import CACHE_ENV, load_library
 
-__all__ = ["CACHE_ENV", "NativeDecode", "SWITCH_ENV", "load_native_decode"]
+__all__ = ["BoundDecodes", "CACHE_ENV", "NativeDecode", "SWITCH_ENV", "load_native_decode"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +39,12 @@ class NativeDecode:
         pointer, i64 = ctypes.c_void_p, ctypes.c_int64
         self._function = library.pagedllm_paged_decode_f32
         self._function.restype = ctypes.c_int
-        self._function.argtypes = [pointer, pointer, pointer, pointer, pointer, i64, pointer, i64, i64, i64, i64, i64,
-                                   i64, ctypes.c_float, i64, ctypes.c_int, pointer, pointer]
+        self._function.argtypes = [pointer, i64, pointer, pointer, pointer, pointer, i64, pointer, i64, i64, i64, i64,
+                                   i64, i64, ctypes.c_float, i64, ctypes.c_int, pointer, pointer]
         self._function_fp8 = library.pagedllm_paged_decode_fp8
         self._function_fp8.restype = ctypes.c_int
-        self._function_fp8.argtypes = [pointer, pointer, pointer, ctypes.c_int, ctypes.c_float, ctypes.c_float, pointer,
-                                       pointer, i64, pointer, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
+        self._function_fp8.argtypes = [pointer, i64, pointer, pointer, ctypes.c_int, ctypes.c_float, ctypes.c_float,
+                                       pointer, pointer, i64, pointer, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
                                        ctypes.c_int, pointer, pointer]
         self._function_bf16 = library.pagedllm_paged_decode_bf16
         self._function_bf16.restype = ctypes.c_int
@@ -96,7 +97,8 @@ class NativeDecode:
 
     def __call__(
         self,
-        q: torch.Tensor,  # contiguous [num_tokens, num_heads, head_dim]: bf16 for a bf16 cache, float32 otherwise
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], heads dense within a row: bf16 for a bf16 cache,
+        # float32 otherwise
         k_cache: torch.Tensor,  # float32, 8-bit or bf16, contiguous head-major [kv_heads, num_blocks, block_size, head_dim]
         v_cache: torch.Tensor,
         decodes: NativeDecodes,
@@ -115,20 +117,97 @@ class NativeDecode:
         if q.dtype != rows_dtype or out.dtype != rows_dtype:
             raise ValueError(f"a {k_cache.dtype} cache takes {rows_dtype} queries and outputs, got {q.dtype} and "
                              f"{out.dtype}")
+        if q.stride()[1:] != (head_dim, 1):
+            raise ValueError(f"the routine reads a query row's heads densely, got strides {q.stride()}")
         rows, block_table, lens = decodes.addresses
         layout = (rows, block_table, decodes.block_table.shape[1], lens, len(decodes.rows), kv_heads,
                   q.shape[1] // kv_heads, head_dim, num_blocks, block_size, scale, decodes.max_len,
                   torch.get_num_threads(), out.data_ptr(), lse.data_ptr())
+        queries = (q.data_ptr(), q.stride(0))
         if k_cache.dtype in FP8_DTYPES:
-            failed = self._function_fp8(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            failed = self._function_fp8(*queries, k_cache.data_ptr(), v_cache.data_ptr(),
                                         FP8_DTYPES.index(k_cache.dtype), k_scale, v_scale, *layout)
         elif k_cache.dtype == torch.bfloat16:
-            failed = self._function_bf16(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *layout)
+            failed = self._function_bf16(*queries, k_cache.data_ptr(), v_cache.data_ptr(), *layout)
         else:
-            failed = self._function(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *layout)
+            failed = self._function(*queries, k_cache.data_ptr(), v_cache.data_ptr(), *layout)
         if failed:
             raise MemoryError(f"paged decode attention could not allocate {4 * q.shape[1] * decodes.max_len} bytes "
                               "of scratch space")
+
+
+    def bind(self, decodes: NativeDecodes, slot_mapping: torch.Tensor, qkv: torch.Tensor, k_cache: torch.Tensor,
+             num_heads: int, scale: float) -> BoundDecodes:
+        """A decode-only step's write and attend, bound once for all its layers: see :class:`BoundDecodes`.
+        ``qkv``, ``k_cache``: the first layer's, whose shapes every layer shares; caches as the module's callers
+        see them ([num_blocks, block_size, kv_heads, head_dim], stored head-major), of ``qkv``'s dtype, float32 or
+        bf16. ``ValueError`` where they do not fit together."""
+        num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+        tokens, width = qkv.shape
+        head_major = (block_size * head_dim, head_dim, num_blocks * block_size * head_dim, 1)
+        if (qkv.dtype not in (torch.float32, torch.bfloat16) or k_cache.dtype != qkv.dtype or num_heads % kv_heads
+                or qkv.device.type != "cpu" or not qkv.is_contiguous() or k_cache.stride() != head_major
+                or width != (num_heads + 2 * kv_heads) * head_dim or slot_mapping.shape != (tokens,)
+                or decodes.lowest_block < 0 or decodes.highest_block >= num_blocks
+                or int(decodes.rows.max()) >= tokens):
+            raise ValueError(f"decodes of {num_heads} heads over rows of {tuple(qkv.shape)} and caches of "
+                             f"{tuple(k_cache.shape)} ({k_cache.dtype}) do not fit together")
+        bf16 = qkv.dtype == torch.bfloat16
+        return BoundDecodes(self._function_bf16 if bf16 else self._function, self._write_bf16 if bf16 else self._write,
+                            decodes, slot_mapping, qkv, k_cache, num_heads, scale)
+
+
+class BoundDecodes:
+    """One decode-only step's K/V write and attention for every layer, straight from the layer's fused q|k|v rows.
+
+    Every layer of a decode step passes the routines the same block table, lengths, sizes and buffers; only its
+    rows and caches differ. Deriving and checking those once per step instead of once per layer removes a few
+    dozen Python-level operations from each layer, which at batch 1 cost more than the routine itself. The calls
+    are the ones :meth:`NativeDecode.write_kv` and :meth:`NativeDecode.__call__` make, on the same values, with the
+    queries read in place from q|k|v instead of from a dense copy: the same bits.
+    """
+
+    def __init__(self, decode: Callable[..., int], write: Callable[..., int], decodes: NativeDecodes,
+                 slot_mapping: torch.Tensor, qkv: torch.Tensor, k_cache: torch.Tensor, num_heads: int,
+                 scale: float) -> None:
+        num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+        tokens, width = qkv.shape
+        self._decode, self._write = decode, write
+        self._decodes = decodes  # held: the routine reads its arrays by address
+        self._slots = slot_mapping.to(torch.int64).contiguous()  # held, likewise
+        self.scale = scale
+        self._rows = (qkv.shape, qkv.stride(), qkv.dtype, qkv.device)
+        self._caches = (k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device)
+        # Reused by every layer of the step: each layer's o_proj reads it before the next layer writes it.
+        self.out = torch.empty(tokens, num_heads * head_dim, dtype=qkv.dtype)
+        self._lse = torch.empty(tokens, num_heads, dtype=torch.float32)
+        element = qkv.element_size()
+        self._k_offset = num_heads * head_dim * element
+        self._v_offset = self._k_offset + kv_heads * head_dim * element
+        self._write_layout = (width, self._slots.data_ptr(), tokens, kv_heads, head_dim, num_blocks * block_size)
+        rows, block_table, lens = decodes.addresses
+        self._decode_layout = (rows, block_table, decodes.block_table.shape[1], lens, len(decodes.rows), kv_heads,
+                               num_heads // kv_heads, head_dim, num_blocks, block_size, scale, decodes.max_len,
+                               torch.get_num_threads(), self.out.data_ptr(), self._lse.data_ptr())
+
+    def fits(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> bool:
+        """Whether a layer's rows, caches and scale are those the step was bound for (C trusts them)."""
+        caches = self._caches
+        return ((qkv.shape, qkv.stride(), qkv.dtype, qkv.device) == self._rows and scale == self.scale
+                and (k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device) == caches
+                and (v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device) == caches)
+
+    def __call__(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Write the layer's rotated K/V rows and attend its queries: [tokens, num_heads * head_dim] in :attr:`out`,
+        valid until the next layer's call. The caller has checked :meth:`fits`."""
+        rows, k, v = qkv.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+        written = self._write(rows + self._k_offset, rows + self._v_offset, *self._write_layout, k, v)
+        if written != self._write_layout[2]:
+            raise ValueError(f"slot_mapping holds slot {int(self._slots[written])}, outside the cache's "
+                             f"{self._write_layout[5]} slots")
+        if self._decode(rows, self._write_layout[0], k, v, *self._decode_layout):
+            raise MemoryError("paged decode attention could not allocate its scratch space")
+        return self.out
 
 
 @functools.cache

@@ -256,13 +256,14 @@ static inline uint16_t bf16_bits(float x) {
     return (uint16_t)(bits >> 16);
 }
 
-/* q, out: [tokens, kv_heads * group, head_dim], float32, or bf16 with bf16_rows; lse: [tokens, kv_heads * group].
+/* q: [tokens, kv_heads * group, head_dim] with token rows q_stride elements apart (a fused q|k|v output's q columns
+ * are read in place); out: the same, dense; both float32, or bf16 with bf16_rows; lse: [tokens, kv_heads * group].
  * Sequence i's query is token rows[i]; it attends to the first lens[i] cache slots its block-table row lists.
  * A float32 cache passes k_cache/v_cache and NULL k8/v8; an 8-bit or bf16 one passes k8/v8 as bytes and its format.
  * bf16 rows are widened into float32 (exactly) before and rounded to bf16 (to nearest even, as torch's cast rounds)
  * after each (sequence, KV head), in the thread's scratch: the caller needs no float32 copies of them.
  * Returns 0, or 1 when the scratch buffer could not be allocated (out and lse are then undefined). */
-static int paged_decode(const void* q, const float* k_cache, const float* v_cache, const uint8_t* k8,
+static int paged_decode(const void* q, int64_t q_stride, const float* k_cache, const float* v_cache, const uint8_t* k8,
                         const uint8_t* v8, int format, float k_scale, float v_scale, const int64_t* rows,
                         const int64_t* block_table, int64_t table_width, const int64_t* lens, int64_t num_seqs,
                         int64_t kv_heads, int64_t group, int64_t head_dim, int64_t num_blocks, int64_t block_size,
@@ -286,9 +287,10 @@ static int paged_decode(const void* q, const float* k_cache, const float* v_cach
             if (scores == NULL) continue;
             const int64_t seq = i / kv_heads, head = i % kv_heads;
             const int64_t offset = rows[seq] * heads + head * group;
-            const float* q_head = bf16_rows ? widen_bf16_block((const uint16_t*)q + offset * head_dim, group * head_dim,
-                                                                wide_rows)
-                                            : (const float*)q + offset * head_dim;
+            const int64_t q_offset = rows[seq] * q_stride + head * group * head_dim;
+            const float* q_head = bf16_rows
+                                      ? widen_bf16_block((const uint16_t*)q + q_offset, group * head_dim, wide_rows)
+                                      : (const float*)q + q_offset;
             const float *k_head = k8 ? NULL : k_cache + head * head_numel, *v_head = v8 ? NULL : v_cache + head * head_numel;
             const int64_t head_bytes = head_numel * kv_element_bytes(format);
             const fp8_head k_bytes = {k8 ? k8 + head * head_bytes : NULL, format, k_scale};
@@ -315,38 +317,39 @@ static int paged_decode(const void* q, const float* k_cache, const float* v_cach
     return failed;
 }
 
-int pagedllm_paged_decode_f32(const float* q, const float* k_cache, const float* v_cache,
+int pagedllm_paged_decode_f32(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
                               const int64_t* rows, const int64_t* block_table, int64_t table_width,
                               const int64_t* lens, int64_t num_seqs,
                               int64_t kv_heads, int64_t group, int64_t head_dim, int64_t num_blocks,
                               int64_t block_size, float scale, int64_t max_len, int threads,
                               float* out, float* lse) {
-    return paged_decode(q, k_cache, v_cache, NULL, NULL, 0, 1.0f, 1.0f, rows, block_table, table_width, lens, num_seqs,
-                        kv_heads, group, head_dim, num_blocks, block_size, scale, max_len, threads, out, lse, 0);
+    return paged_decode(q, q_stride, k_cache, v_cache, NULL, NULL, 0, 1.0f, 1.0f, rows, block_table, table_width, lens,
+                        num_seqs, kv_heads, group, head_dim, num_blocks, block_size, scale, max_len, threads, out, lse,
+                        0);
 }
 
 /* pagedllm_paged_decode_f32 over 8-bit caches of one format (0: e4m3fn, 1: e5m2): a K byte stands for its
  * value in the format times k_scale, a V byte times v_scale. */
-int pagedllm_paged_decode_fp8(const float* q, const uint8_t* k_cache, const uint8_t* v_cache, int format,
-                              float k_scale, float v_scale, const int64_t* rows, const int64_t* block_table,
+int pagedllm_paged_decode_fp8(const float* q, int64_t q_stride, const uint8_t* k_cache, const uint8_t* v_cache,
+                              int format, float k_scale, float v_scale, const int64_t* rows, const int64_t* block_table,
                               int64_t table_width, const int64_t* lens, int64_t num_seqs, int64_t kv_heads,
                               int64_t group, int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale,
                               int64_t max_len, int threads, float* out, float* lse) {
-    return paged_decode(q, NULL, NULL, k_cache, v_cache, format, k_scale, v_scale, rows, block_table, table_width,
-                        lens, num_seqs, kv_heads, group, head_dim, num_blocks, block_size, scale, max_len, threads,
-                        out, lse, 0);
+    return paged_decode(q, q_stride, NULL, NULL, k_cache, v_cache, format, k_scale, v_scale, rows, block_table,
+                        table_width, lens, num_seqs, kv_heads, group, head_dim, num_blocks, block_size, scale, max_len,
+                        threads, out, lse, 0);
 }
 
 /* pagedllm_paged_decode_f32 over bfloat16 caches (their bits as uint16), widened a block at a time, for bf16 queries
  * and outputs (bits as uint16 too); lse stays float32. */
-int pagedllm_paged_decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+int pagedllm_paged_decode_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache, const uint16_t* v_cache,
                                const int64_t* rows, const int64_t* block_table, int64_t table_width,
                                const int64_t* lens, int64_t num_seqs, int64_t kv_heads, int64_t group,
                                int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale, int64_t max_len,
                                int threads, uint16_t* out, float* lse) {
-    return paged_decode(q, NULL, NULL, (const uint8_t*)k_cache, (const uint8_t*)v_cache, KV_BF16, 1.0f, 1.0f, rows,
-                        block_table, table_width, lens, num_seqs, kv_heads, group, head_dim, num_blocks, block_size,
-                        scale, max_len, threads, out, lse, 1);
+    return paged_decode(q, q_stride, NULL, NULL, (const uint8_t*)k_cache, (const uint8_t*)v_cache, KV_BF16, 1.0f, 1.0f,
+                        rows, block_table, table_width, lens, num_seqs, kv_heads, group, head_dim, num_blocks,
+                        block_size, scale, max_len, threads, out, lse, 1);
 }
 
 /* The cache's write side: token t's key and value rows (kv_heads x head_dim, rows row_stride floats

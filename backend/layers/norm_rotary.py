@@ -38,26 +38,28 @@ class RMSNorm(nn.Module):
 
         The fused path adds into ``residual`` in place and returns it.
         """
-        fused = self._fused_for(x)
+        weight = self.weight  # read once: a module's parameter is looked up by nn.Module.__getattr__, in Python
+        fused = self._fused_for(x, weight)
         if fused is not None:
-            return fused.rms_norm(x, residual, self.weight, self.eps), residual
+            return fused.rms_norm(x, residual, weight, self.eps), residual
         residual = residual + x
         return self(residual), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = self._fused_for(x)
+        weight = self.weight
+        fused = self._fused_for(x, weight)
         if fused is not None:
-            return fused.rms_norm(x, None, self.weight, self.eps)
+            return fused.rms_norm(x, None, weight, self.eps)
         input_dtype = x.dtype
         x = x.to(torch.float32)
         variance = x.pow(2).mean(-1, keepdim=True)
         x = x * torch.rsqrt(variance + self.eps)
-        return self.weight * x.to(input_dtype)
+        return weight * x.to(input_dtype)
 
-    def _fused_for(self, x: torch.Tensor) -> CpuFusedOps | None:
+    def _fused_for(self, x: torch.Tensor, weight: torch.Tensor) -> CpuFusedOps | None:
         """The compiled ops, when they norm ``x``'s dtype (and the weight is of it)."""
         fused = self.fused
-        return fused if fused is not None and x.dtype == self.weight.dtype and x.dtype in fused.norm_dtypes else None
+        return fused if fused is not None and x.dtype == weight.dtype and x.dtype in fused.norm_dtypes else None
 
 
 def head_dim_of(config: PretrainedConfig) -> int:

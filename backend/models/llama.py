@@ -5,7 +5,9 @@ Tokens of every scheduled sequence arrive as one flat batch; attention reads
 and writes the cache only through the ``AttentionBackend`` and the step's
 ``AttentionMetadata``, planned once per step by the backend (``backend.plan``)
 before the forward and shared by every layer. Projections are fused (q|k|v and gate|up) to cut kernel
-launches; the loader concatenates the checkpoint's separate weights.
+launches; the loader concatenates the checkpoint's separate weights. Submodules are called through
+``.forward``: ``nn.Module.__call__`` would look for hooks on each of a layer's seven calls, Python work
+that adds up in a CPU decode step (RESULTS.md, issue 42), and nothing registers hooks on this model.
 
 Under tensor parallelism (``tp.size > 1``) each rank builds the same modules at
 its share's sizes (:mod:`pagedllm.distributed.sharding`): q|k|v and gate|up hold
@@ -78,10 +80,15 @@ class Attention(nn.Module):
         attn: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj.forward(x)
         cos, sin = rope
         if self.fused_rotary is not None:
             self.fused_rotary.rotate_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
+            attend_qkv = self.attention.attend_qkv
+            if attend_qkv is not None and self.kv_scales is None:
+                out = attend_qkv(qkv, *kv_cache, attn, self.scale, self.num_heads)
+                if out is not None:
+                    return self._output(out)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -102,7 +109,10 @@ class Attention(nn.Module):
                 scales.measure(k, v)
             self.attention.write_kv(k, v, k_cache, v_cache, attn.slot_mapping, scales.k, scales.v)
             out = self.attention.attend(q, k_cache, v_cache, attn, self.scale, scales.k, scales.v)
-        out = self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
+        return self._output(out.reshape(num_tokens, self.q_size))
+
+    def _output(self, attended: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(self.o_proj.forward(attended))
         return out if self.o_bias is None else out.add_(self.o_bias)
 
 
@@ -119,13 +129,13 @@ class MLP(nn.Module):
         self.fused_silu = fused if config.hidden_act == "silu" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = self.gate_up_proj.forward(x)
         if self.fused_silu is not None:
             hidden = self.fused_silu.silu_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             hidden = self.act_fn(gate) * up
-        out = self.tp.all_reduce(self.down_proj(hidden))
+        out = self.tp.all_reduce(self.down_proj.forward(hidden))
         return out if self.down_bias is None else out.add_(self.down_bias)
 
 
@@ -167,9 +177,9 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self.self_attn(h, rope, kv_cache, attn)
+        h = self.self_attn.forward(h, rope, kv_cache, attn)
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp.forward(h), residual
 
 
 class Backbone(nn.Module):
@@ -281,7 +291,7 @@ class CausalLM(nn.Module):
         rope = self.rotary(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, rope, kv_cache, attn)
+            x, residual = layer.forward(x, residual, rope, kv_cache, attn)
         return self.model.norm.add_and_norm(x, residual)[0] if residual is not None else self.model.norm(x)
 
     def require_context_fits(self, max_seq_len: int) -> None:
