@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
 from dataclasses import replace
 from pathlib import Path
 
@@ -275,29 +274,3 @@ def test_the_default_model_speculates_with_its_shipped_draft() -> None:
     assert counts is not None and counts.num_drafts > 0
     # The default confidence threshold ended some runs early and let others run to more than one draft.
     assert counts.num_drafts < counts.num_draft_tokens < 3 * counts.num_drafts
-
-
-def test_guesses_the_target_committed_are_not_forwarded_again(tiny_model_dir: Callable[[str], Path]) -> None:
-    """The draft fed its guesses back at the positions after the last token, writing their draft K/V there; once
-    the target commits them, the next catch-up starts after them. With the target as its own draft every guess is
-    committed, so after the prompt each verification costs the draft its K - 1 fed guesses plus a catch-up of two
-    tokens (the unfed last guess and the target's bonus token), not a catch-up of the whole run of K + 1 (the
-    accepted-everything count of the test above shows the kept K/V is right)."""
-    model_dir = tiny_model_dir("llama")
-    prompt = random_prompts(seed=12)[3]
-    llm = with_draft(model_dir, model_dir)
-    proposer = llm.engine.speculative.draft  # type: ignore[union-attr]
-    assert proposer is not None
-    forwarded: list[int] = []
-    run_draft = proposer.runner.run
-
-    def counting(inputs: Any, copies: Any) -> Any:
-        forwarded.append(inputs.input_ids.numel())
-        return run_draft(inputs, copies)
-
-    proposer.runner.run = counting  # type: ignore[method-assign]
-    run(llm, [prompt], GREEDY)
-    counts = llm.engine.stats().spec_decode
-    assert counts is not None and counts.num_accepted_tokens == counts.num_draft_tokens
-    catch_ups = [n for n in forwarded[1:] if n != 1]  # after the prompt's; one-token forwards are fed guesses
-    assert catch_ups and set(catch_ups) == {2}

@@ -164,8 +164,6 @@ class DraftProposer:
         self.device = runner.device
         self.max_tokens = max_num_batched_tokens
         self._caught_up: dict[int, int] = {}  # seq id -> leading tokens whose draft K/V is written
-        # seq id -> (position of its first guess, the guesses fed back at the positions after it) of its last call
-        self._fed: dict[int, tuple[int, list[int]]] = {}
         self.vocab_size = runner.model.vocab_size
         # The cut head's column -> target id, as a tensor (to spread q) and as a list (to map a drawn id).
         self._vocab: tuple[torch.Tensor, list[int]] | None = (None if vocab is None
@@ -175,8 +173,6 @@ class DraftProposer:
         """Catch every sequence up to its committed tokens; then up to ``max_drafts`` drafts each."""
         # The newest token's K/V needs a slot, which a sequence without room to draft may not have yet.
         ends = [len(r.seq.token_ids) if self._room(r) > 0 else r.seq.num_computed_tokens for r in requests]
-        for request, end in zip(requests, ends):
-            self._keep_committed_guesses(request.seq, end)
         first = self._catch_up(requests, ends)
         drafting = [i for i, r in enumerate(requests) if first[i] is not None and self._room(r) > 0]
         tokens: dict[int, list[int]] = {i: [] for i in drafting}
@@ -195,10 +191,6 @@ class DraftProposer:
             drafting = [i for i in drafting if i not in doubted and len(tokens[i]) < self._room(requests[i])]
             if drafting:
                 logits = self._decode([requests[i].seq for i in drafting], [tokens[i][-1] for i in drafting], step)
-        for i, guesses in tokens.items():
-            # Every guess but the last was fed back (the last ended the sequence's drafting).
-            seq = requests[i].seq
-            self._fed[seq.seq_id] = (len(seq.token_ids), guesses[:-1])
         return [Proposal(tokens.get(i, []), torch.stack(probs[i]) if probs.get(i) else None)
                 for i in range(len(requests))]
 
@@ -206,22 +198,6 @@ class DraftProposer:
         """Forget sequences that finished or were preempted (their blocks, and so their draft K/V, are gone)."""
         for seq_id in seq_ids:
             self._caught_up.pop(seq_id, None)
-            self._fed.pop(seq_id, None)
-
-    def _keep_committed_guesses(self, seq: Sample, end: int) -> None:
-        """Count as caught up the guesses fed last call that now stand committed at the positions they were fed
-        at, up to ``end - 1``: the token before ``end`` is always forwarded again, for the next draft's logits."""
-        fed = self._fed.pop(seq.seq_id, None)
-        if fed is None:
-            return
-        start, guesses = fed
-        if self._caught_up.get(seq.seq_id) != start:
-            return
-        tokens = seq.token_ids
-        kept = 0
-        while kept < min(len(guesses), end - 1 - start) and tokens[start + kept] == guesses[kept]:
-            kept += 1
-        self._caught_up[seq.seq_id] = start + kept
 
     def _room(self, request: DraftRequest) -> int:
         """Drafts ``request`` may take: each but the last writes draft K/V after its last token, which must
