@@ -10,7 +10,7 @@ not), which a head that was not cut, or ids mapped back wrong, would show.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import full_run
@@ -23,8 +23,8 @@ from test_spec_draft_model import NOISE, with_draft
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.testing.draft_checkpoint import noisy_draft
-from pagedllm.worker.draft_proposer import (DRAFT_VOCAB_FILE, DRAFT_VOCAB_TENSOR, DraftProposer, Proposal,
-                                            load_draft_vocab)
+from pagedllm.worker.draft_proposer import (DRAFT_VOCAB_FILE, DRAFT_VOCAB_TENSOR, DraftProposer, DraftRequest,
+                                            Proposal, load_draft_vocab)
 
 FULL = full_run.full()
 
@@ -46,8 +46,8 @@ def recording(llm: LLM) -> list[Proposal]:
     seen: list[Proposal] = []
     propose = proposer.propose
 
-    def wrapped(requests: object) -> list[Proposal]:
-        proposals = propose(requests)  # type: ignore[arg-type]
+    def wrapped(requests: Sequence[DraftRequest]) -> list[Proposal]:
+        proposals = propose(requests)
         seen.extend(proposals)
         return proposals
 
@@ -163,9 +163,12 @@ def test_an_unreadable_draft_vocabulary_fails_the_engine_load(tiny_model_dir: Ca
 
 def test_without_the_file_the_draft_scores_the_whole_vocabulary(tmp_path: Path) -> None:
     assert load_draft_vocab(tmp_path, 100) is None
-    assert torch.equal(load_draft_vocab(write(tmp_path / "d", {DRAFT_VOCAB_TENSOR: torch.tensor([7, 3],
-                                                                                             dtype=torch.int32)}),
-                                        100), torch.tensor([7, 3]))
+
+
+def test_int32_ids_load_as_int64_in_their_order(tmp_path: Path) -> None:
+    folder = write(tmp_path / "draft", {DRAFT_VOCAB_TENSOR: torch.tensor([7, 3], dtype=torch.int32)})
+    ids = load_draft_vocab(folder, 100)
+    assert ids is not None and ids.dtype == torch.int64 and ids.tolist() == [7, 3]
 
 
 def test_the_default_models_draft_ships_a_cut_vocabulary() -> None:
