@@ -18,7 +18,12 @@ is recorded, the greedy acceptance rate per drafted token it predicts.
         --steps 600 --distill-weight 0.7    # the shipped draft; see its training.json for the time
 
 Writes to ``backend/default_model/draft/``: bf16 safetensors, config,
-generation config, tokenizer and ``training.json``.
+generation config, tokenizer and ``training.json``; with ``--draft-vocab-size N`` also
+``draft_vocab.safetensors``, the N tokens most frequent in the training corpus, which the engine
+cuts the draft's LM head to (``pagedllm.worker.draft_proposer``). ``--draft-vocab-only`` writes just
+that file (and its record in ``training.json``) beside an already trained draft, without training:
+
+    python scripts/train_default_draft.py --draft-vocab-size 1024 --draft-vocab-only    # the shipped one
 """
 
 from __future__ import annotations
@@ -32,12 +37,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from tqdm import tqdm
 from train_default_model import HELD_OUT_MODULES, _portable, greedy_samples, mean_loss, pack
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
 from pagedllm.testing.tokenizer_training import python_stdlib_texts
+from pagedllm.worker.draft_proposer import DRAFT_VOCAB_FILE, DRAFT_VOCAB_TENSOR
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET = REPO / "backend" / "default_model"
@@ -65,6 +72,8 @@ class DraftArgs:
     threads: int
     init_from_target: bool
     distill_weight: float  # share of the loss that is KL(target || draft); the rest is the next-token loss
+    draft_vocab_size: int  # 0: the draft scores the whole vocabulary
+    draft_vocab_only: bool  # write only the vocabulary beside an existing draft
 
 
 def parse_args() -> DraftArgs:
@@ -91,13 +100,40 @@ def parse_args() -> DraftArgs:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--distill-weight", type=float, default=0.0,
                    help="share of the loss that is the KL divergence from the target's distribution (0: none)")
+    p.add_argument("--draft-vocab-size", type=int, default=0,
+                   help="ship the N most frequent corpus tokens as the draft's vocabulary (0: the whole vocabulary)")
+    p.add_argument("--draft-vocab-only", action="store_true",
+                   help="only write the vocabulary of --draft-vocab-size beside the draft in --out-dir")
     args = DraftArgs(**vars(p.parse_args()))
     for name in ("steps", "batch_size", "seq_len", "eval_every", "threads"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if not 0.0 <= args.distill_weight <= 1.0:
         p.error(f"--distill-weight={args.distill_weight}: expected a share in [0, 1]")
+    if args.draft_vocab_size < 0:
+        p.error(f"--draft-vocab-size={args.draft_vocab_size}: expected 0 (whole vocabulary) or a token count")
+    if args.draft_vocab_only and args.draft_vocab_size == 0:
+        p.error("--draft-vocab-only needs --draft-vocab-size")
     return args
+
+
+def frequent_tokens(tokens: torch.Tensor, vocab_size: int, count: int) -> torch.Tensor:
+    """The ``count`` ids most frequent in ``tokens`` (ties to the lower id), ascending: the draft's vocabulary."""
+    if not 0 < count <= vocab_size:
+        raise ValueError(f"a draft vocabulary of {count} tokens: expected 1..{vocab_size}")
+    counts = torch.bincount(tokens.flatten(), minlength=vocab_size)
+    order = torch.sort(counts, descending=True, stable=True).indices
+    return order[:count].sort().values
+
+
+def write_draft_vocab(out_dir: Path, train: torch.Tensor, held_out: torch.Tensor, vocab_size: int,
+                      count: int) -> dict[str, float]:
+    """Write ``draft_vocab.safetensors`` from ``train``'s counts; returns its record: its size and the share
+    of the training and held-out tokens it holds."""
+    ids = frequent_tokens(train, vocab_size, count)
+    save_file({DRAFT_VOCAB_TENSOR: ids}, out_dir / DRAFT_VOCAB_FILE, metadata={"format": "pt"})
+    return {"size": count, "train_token_coverage": torch.isin(train.flatten(), ids).float().mean().item(),
+            "held_out_token_coverage": torch.isin(held_out.flatten(), ids).float().mean().item()}
 
 
 @torch.no_grad()
@@ -164,10 +200,18 @@ def main() -> None:
     train = pack(tokenizer, train_texts, args.seq_len)
     held_out = pack(tokenizer, held_out_texts, args.seq_len)
     print(f"train: {train.numel():,} tokens; held out: {held_out.numel():,} tokens", flush=True)
+    vocab_size = target.config.vocab_size
+    if args.draft_vocab_only:
+        record_path = args.out_dir / "training.json"
+        record = json.loads(record_path.read_text())
+        record["draft_vocab"] = write_draft_vocab(args.out_dir, train, held_out, vocab_size, args.draft_vocab_size)
+        record_path.write_text(json.dumps(record, indent=2) + "\n")
+        print(json.dumps(record["draft_vocab"], indent=2), flush=True)
+        return
 
     eot = tokenizer.eos_token_id
     config = LlamaConfig(
-        vocab_size=target.config.vocab_size,
+        vocab_size=vocab_size,
         hidden_size=args.hidden_size,
         intermediate_size=args.intermediate_size,
         num_hidden_layers=args.num_layers,
@@ -233,6 +277,8 @@ def main() -> None:
         "eval_log": eval_log,
     }
     record["held_out_perplexity"] = math.exp(record["held_out_loss"])
+    if args.draft_vocab_size:
+        record["draft_vocab"] = write_draft_vocab(args.out_dir, train, held_out, vocab_size, args.draft_vocab_size)
     (args.out_dir / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps({k: v for k, v in record.items() if k != "eval_log"}, indent=2), flush=True)
 

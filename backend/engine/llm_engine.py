@@ -84,7 +84,7 @@ class LLMEngine:
             config.speculative_config, self.scheduler.stop_policy, self.structured,
             None if side.draft_runner is None else DraftProposer(
                 side.draft_runner, config.speculative_config.num_speculative_tokens, config.max_num_batched_tokens,
-                config.speculative_config.confidence_threshold)))
+                config.speculative_config.confidence_threshold, side.draft_vocab)))
         if side.draft_runner is not None and config.speculative_config is not None:
             # The draft writes K/V for its guesses after a sequence's last token: room for them comes with the step.
             self.scheduler.num_lookahead_slots = config.speculative_config.num_speculative_tokens

@@ -24,7 +24,8 @@ from pagedllm.distributed.group import SINGLE
 from pagedllm.executor.workers import LoadSpec, RunnerSpec, WorkerGroup, check_size
 from pagedllm.attention.backends import AttentionBackend, attention_backend_named, select_attention_backend
 from pagedllm.attention.kv_quant import prepare_kv_cache
-from pagedllm.worker.draft_proposer import check_draft_checkpoint, draft_model_dir
+from pagedllm.worker.draft_proposer import (check_draft_checkpoint, draft_model_dir, load_draft_vocab,
+                                            restrict_lm_head)
 from pagedllm.worker.model_runner import BatchLimits, ModelRunner, kv_budget_bytes
 
 
@@ -39,6 +40,7 @@ class DeviceSide:
     lora: LoRAManager | None
     workers: WorkerGroup | None  # ranks 1..tp-1; None at tensor_parallel_size=1
     draft_runner: ModelRunner | None = None  # the draft model's (speculative_config method draft_model)
+    draft_vocab: torch.Tensor | None = None  # the target ids of the draft's logit columns; None: all of them
 
 
 def engine_device(config: EngineConfig) -> torch.device:
@@ -84,7 +86,7 @@ def set_up_device_side(config: EngineConfig, model_dir: Path) -> DeviceSide:
         # The draft lives whole on rank 0 alone (it is small; sharding it would add collectives to each of its
         # forwards): its proposals reach the workers as scheduled tokens in the step broadcast. Its bytes per
         # block count only here, where its caches are; the workers take the block count rank 0 sends.
-        draft = _load_draft(config, model_dir, model, dtype, device, attention, max_model_len)
+        draft, draft_vocab = _load_draft(config, model_dir, model, dtype, device, attention, max_model_len)
         draft_block_bytes = 0 if draft is None else ModelRunner.bytes_per_block(draft, config.block_size, dtype)
         num_blocks = _num_kv_blocks(config, model, kv_cache_dtype, max_model_len, device, draft_block_bytes)
         if workers is not None:
@@ -101,18 +103,24 @@ def set_up_device_side(config: EngineConfig, model_dir: Path) -> DeviceSide:
         if workers is not None:
             workers.close()
         raise
-    return DeviceSide(dtype, model, kv_cache_dtype, max_model_len, num_blocks, runner, lora, workers, draft_runner)
+    return DeviceSide(dtype, model, kv_cache_dtype, max_model_len, num_blocks, runner, lora, workers, draft_runner,
+                      draft_vocab)
 
 
 def _load_draft(config: EngineConfig, model_dir: Path, model: CausalLM, dtype: torch.dtype, device: torch.device,
-                attention: AttentionBackend, max_model_len: int) -> CausalLM | None:
-    """The draft model of ``speculative_config`` method draft_model, checked against the target; else None."""
+                attention: AttentionBackend, max_model_len: int) -> tuple[CausalLM | None, torch.Tensor | None]:
+    """The draft model of ``speculative_config`` method draft_model, checked against the target, with its
+    head cut to its vocabulary if it ships one (and that vocabulary); else Nones."""
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
-        return None
+        return None, None
     draft_dir = draft_model_dir(spec.model, model_dir, config.revision)
     check_draft_checkpoint(draft_dir, model_dir, model.vocab_size, max_model_len)
-    return load_model(draft_dir, dtype, device, attention)
+    vocab = load_draft_vocab(draft_dir, model.vocab_size)
+    draft = load_model(draft_dir, dtype, device, attention)
+    if vocab is not None:
+        restrict_lm_head(draft, vocab)
+    return draft, vocab
 
 
 def _num_kv_blocks(config: EngineConfig, model: CausalLM, kv_cache_dtype: torch.dtype, max_model_len: int,

@@ -24,6 +24,14 @@ at temperature 1 for a greedy request, ``q`` for a sampled one) is below ``confi
 guess itself is still proposed (its logits are paid for; it costs only a verifying row), but the draft
 steps after it would mostly feed a rejected token. The stop depends on the draft's own draws only, so
 rejection sampling stays exact.
+
+A draft may score only part of the vocabulary (FR-Spec's frequency-ranked subset, EAGLE-3's ``d2t``): its
+folder's ``draft_vocab.safetensors`` holds ``draft_to_target``, the target ids its LM head keeps, and the
+loader cuts the head to those rows (:func:`restrict_lm_head`). The head is the costliest single operation
+of a small draft's forward and most of its weight bytes, and tokens outside a corpus's frequent ones are
+rarely accepted anyway. Drafts are then drawn over the subset and mapped back to target ids, and ``q`` is
+zero outside it, which is the draft's true proposal distribution, so rejection sampling stays exact. The
+draft's input embedding keeps the whole vocabulary: the target's tokens, any of them, are what it reads.
 """
 from __future__ import annotations
 
@@ -34,16 +42,22 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
 from transformers import AutoConfig, AutoTokenizer
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.core.model_source import DEFAULT_MODEL_DIR, resolve_model_dir
 from pagedllm.core.request import Sample
+from pagedllm.layers.cpu_linear import PackedLinear, packed_linear, packed_linear_choice
+from pagedllm.models.llama import CausalLM
 from pagedllm.worker.input_batch import StepInputs
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.sampler import argmax_rows
 
 DEFAULT_DRAFT_DIR = DEFAULT_MODEL_DIR / "draft"
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+DRAFT_VOCAB_TENSOR = "draft_to_target"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +102,61 @@ def check_draft_checkpoint(draft_dir: Path, target_dir: Path, target_vocab_size:
                          "with a longer context")
 
 
+def load_draft_vocab(draft_dir: Path, vocab_size: int) -> torch.Tensor | None:
+    """The target ids the draft in ``draft_dir`` scores (int64, distinct, in ``[0, vocab_size)``), from its
+    ``draft_vocab.safetensors``; None without that file (the draft scores the whole vocabulary)."""
+    path = draft_dir / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            names = list(handle.keys())
+            if names != [DRAFT_VOCAB_TENSOR]:
+                raise ValueError(f"draft vocabulary {str(path)!r} holds tensors {names}: expected exactly "
+                                 f"[{DRAFT_VOCAB_TENSOR!r}]")
+            ids = handle.get_tensor(DRAFT_VOCAB_TENSOR)
+    except SafetensorError as error:
+        raise ValueError(f"draft vocabulary {str(path)!r} is not a readable safetensors file ({error})") from error
+    if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"draft vocabulary {str(path)!r}: {DRAFT_VOCAB_TENSOR} must be a non-empty 1-D integer "
+                         f"tensor, got {ids.dtype} of shape {tuple(ids.shape)}")
+    ids = ids.to(torch.int64)
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"draft vocabulary {str(path)!r} holds token id {low if low < 0 else high}, outside the "
+                         f"target's vocabulary of {vocab_size}")
+    if ids.unique().numel() != ids.numel():
+        raise ValueError(f"draft vocabulary {str(path)!r} lists a token id more than once")
+    return ids
+
+
+def restrict_lm_head(model: CausalLM, token_ids: torch.Tensor) -> None:
+    """Cut ``model``'s LM head to the rows of ``token_ids``: its logits' column ``i`` is then token
+    ``token_ids[i]``'s. The embedding keeps every row (a tied head gets a copy of its rows)."""
+    head = model.lm_head
+    if head is None:
+        weight = model.model.embed_tokens.weight
+    elif isinstance(head, PackedLinear):
+        weight = head.unpacked_weight()
+    elif isinstance(head, nn.Linear) and head.bias is None:
+        weight = head.weight
+    else:
+        raise ValueError(f"a draft vocabulary needs a bias-free linear LM head, not {type(head).__name__}")
+    rows = weight.detach()[token_ids.to(weight.device)].contiguous()
+    packing = packed_linear_choice(rows.dtype, rows.device)
+    if packing is not None:
+        model.lm_head = packed_linear(rows, None, packing)
+        return
+    linear = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
+    linear.weight = nn.Parameter(rows, requires_grad=False)
+    model.lm_head = linear
+
+
 class DraftProposer:
     def __init__(self, runner: ModelRunner, num_speculative_tokens: int, max_num_batched_tokens: int,
-                 confidence_threshold: float = 0.0) -> None:
+                 confidence_threshold: float = 0.0, vocab: torch.Tensor | None = None) -> None:
+        """``vocab``: the target ids of the draft's logit columns when its head is cut
+        (:func:`restrict_lm_head`); None when it scores the whole vocabulary."""
         self.runner = runner
         self.k = num_speculative_tokens
         self.confidence_threshold = confidence_threshold
@@ -98,6 +164,10 @@ class DraftProposer:
         self.device = runner.device
         self.max_tokens = max_num_batched_tokens
         self._caught_up: dict[int, int] = {}  # seq id -> leading tokens whose draft K/V is written
+        self.vocab_size = runner.model.vocab_size
+        # The cut head's column -> target id, as a tensor (to spread q) and as a list (to map a drawn id).
+        self._vocab: tuple[torch.Tensor, list[int]] | None = (None if vocab is None
+                                                               else (vocab.to(self.device), vocab.tolist()))
 
     def propose(self, requests: Seq[DraftRequest]) -> list[Proposal]:
         """Catch every sequence up to its committed tokens; then up to ``max_drafts`` drafts each."""
@@ -202,17 +272,26 @@ class DraftProposer:
         """Each row's guess, its ``q`` (None for greedy: one-hot) and whether the draft's probability of it
         reaches the confidence threshold."""
         threshold = self.confidence_threshold
+        to_target = None if self._vocab is None else self._vocab[1]
         greedy = argmax_rows(logits).tolist()
         # A greedy guess is the argmax, so its probability is the softmax's largest.
         top = logits.softmax(dim=-1).amax(dim=-1).tolist() if threshold else None
         drawn: list[tuple[int, torch.Tensor | None, bool]] = []
         for row, request in enumerate(requests):
             if request.temperature == 0.0:
-                drawn.append((greedy[row], None, top is None or top[row] >= threshold))
+                token = greedy[row]
+                drawn.append((token if to_target is None else to_target[token], None,
+                              top is None or top[row] >= threshold))
                 continue
             q = (logits[row] / request.temperature).softmax(dim=-1)
             token = int(torch.multinomial(q, 1, generator=request.generator))
-            drawn.append((token, q, float(q[token]) >= threshold))
+            confident = float(q[token]) >= threshold
+            if self._vocab is not None:
+                # The rejection sampler reads q over the target's vocabulary: zero where the draft cannot propose.
+                columns, ids = self._vocab
+                q = q.new_zeros(self.vocab_size).index_copy_(0, columns, q)
+                token = ids[token]
+            drawn.append((token, q, confident))
         return drawn
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
