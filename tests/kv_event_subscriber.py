@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -33,22 +34,50 @@ def apply(events: Iterable[Any], held: set[bytes]) -> None:
 
 
 class Subscriber:
-    def __init__(self, endpoint: str, topic: bytes = b"") -> None:
+    """A SUB socket on ``endpoint``. With ``follow``, a thread reads it all along, as a router's event loop does:
+    a SUB socket nobody reads while its publisher restarts received none of the new publisher's batches in our
+    runs (libzmq attaches a reconnected pipe only when the application calls into the socket), so a subscriber
+    read only at the end is not what a router sees."""
+
+    def __init__(self, endpoint: str, topic: bytes = b"", follow: bool = False) -> None:
         self._context = zmq.Context()
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic)
         self._sub.connect(endpoint)
         self.frames: list[tuple[bytes, int, bytes]] = []
+        self._stop = threading.Event()
+        self._reader = threading.Thread(target=self._follow, daemon=True) if follow else None
+        if self._reader is not None:
+            self._reader.start()
+
+    def _receive(self, wait_s: float) -> bool:
+        if not self._sub.poll(int(wait_s * 1000)):
+            return False
+        topic, seq, payload = self._sub.recv_multipart()
+        self.frames.append((topic, int.from_bytes(seq, "big", signed=True), payload))
+        return True
+
+    def _follow(self) -> None:
+        while not self._stop.is_set():
+            self._receive(0.02)
 
     def drain(self, quiet_s: float = 0.5, timeout_s: float = 30.0) -> None:
         """Receive until nothing came for ``quiet_s``."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self._sub.poll(int(quiet_s * 1000)):
-            topic, seq, payload = self._sub.recv_multipart()
-            self.frames.append((topic, int.from_bytes(seq, "big", signed=True), payload))
+        if self._reader is None:
+            while time.monotonic() < deadline and self._receive(quiet_s):
+                pass
+            return
+        seen = -1
+        while time.monotonic() < deadline and seen != len(self.frames):
+            seen = len(self.frames)
+            time.sleep(quiet_s)
 
     def close(self) -> None:
+        self._stop.set()
+        if self._reader is not None:
+            self._reader.join()
         self._sub.close(linger=0)
         self._context.term()
 

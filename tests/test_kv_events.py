@@ -94,7 +94,7 @@ def run(tiny_model_dir: Callable[[str], Path]) -> Run:
     endpoints = make_endpoints()
     shared = list(range(10, 22))  # three blocks every prompt starts with
     prompts = [shared + [30 + i, 40 + i, 50 + i] for i in range(6)] + [list(range(60, 75)), list(range(80, 90))]
-    subscriber = Subscriber(endpoints["connect"], topic=b"kv")
+    subscriber = Subscriber(endpoints["connect"], topic=b"kv", follow=True)  # read all along, as a router reads
     try:
         engine = LLMEngine(engine_config(model, endpoints))
         run_engine(engine, prompts, max_tokens=16, cancel={2, 5})
