@@ -93,9 +93,35 @@ def test_the_next_step_and_other_rows_are_bound_anew() -> None:
             assert torch.equal(backend.attend_qkv(qkv, k_cache, v_cache, planned, batch.scale, heads), expected)
 
 
+def _verification_step(dtype: torch.dtype) -> tuple[PagedBatch, AttentionMetadata]:
+    """Decodes beside chunks of 5 and 8 new tokens after earlier context, as a speculative verification has."""
+    case = replace(CASES["decode-gqa4-d64-b16"], query_lens=(1, 5, 8, 1), seq_lens=(30, 17, 300, 64), dtype=dtype)
+    batch = make_batch(case, seed=3)
+    block_size, starts = case.block_size, batch.query_start_loc.long()
+    positions = torch.cat([torch.arange(seq_len - query_len, seq_len)
+                           for query_len, seq_len in zip(case.query_lens, case.seq_lens)])
+    owner = torch.repeat_interleave(torch.arange(len(case.query_lens)), starts[1:] - starts[:-1])
+    table = batch.block_table.long()[owner]
+    slots = table.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
+    return batch, replace(metadata_of(batch), slot_mapping=slots)
+
+
+def test_a_verification_step_runs_each_new_token_as_a_decode_with_the_bits_of_write_kv_and_attend() -> None:
+    batch, metadata = _verification_step(torch.float32)
+    heads = batch.q.shape[1]
+    fused, unfused = torch_backend(), torch_backend()
+    caches, expected_caches = _caches(batch), _caches(batch)
+    qkv = _qkv(batch, seed=4)
+    expected = _split_and_attend(unfused, qkv, *expected_caches, unfused.plan(metadata), batch.scale, heads)
+    actual = fused.attend_qkv(qkv, *caches, fused.plan(metadata), batch.scale, heads)
+    assert actual is not None and torch.equal(actual, expected)
+    assert torch.equal(caches[0], expected_caches[0]) and torch.equal(caches[1], expected_caches[1])
+
+
 def test_steps_with_prefills_and_8_bit_caches_are_left_to_write_kv_and_attend() -> None:
     backend = torch_backend()
-    batch = make_batch(CASES["mixed-gqa4-d64-b16-bf16"])
+    # A prompt's first chunk (15 tokens over its own 15) beside decodes: a prefill, not decodes.
+    batch = make_batch(replace(CASES["mixed-gqa4-d64-b16-bf16"], query_lens=(1, 15, 1)))
     caches = _caches(batch)
     mixed = backend.plan(metadata_of(batch))
     assert backend.attend_qkv(_qkv(batch, 0), *caches, mixed, batch.scale, batch.q.shape[1]) is None

@@ -73,15 +73,19 @@ def routine() -> native_decode.NativeDecode:
     return built
 
 
-def test_decodes_go_to_it_unbatched_and_only_prefills_are_gathered(routine: native_decode.NativeDecode) -> None:
-    case = CASES["mixed-gqa8-d96-b16"]  # decodes at tokens 0 and 11, prefill chunks at 1 and 7
+def test_decodes_and_short_chunks_go_to_it_unbatched_and_only_prompts_are_gathered(
+        routine: native_decode.NativeDecode) -> None:
+    # Decodes at tokens 0 and 11; at 1, 6 new tokens after 16 of context; at 7, a prompt's first 4 tokens.
+    case = CASES["mixed-gqa8-d96-b16"]
     batch = make_batch(case)
     layout = torch_backend().plan(metadata_of(batch)).plan.layout(case.block_size, case.dtype, True)
     assert layout.native_decodes is not None and not layout.decodes
-    assert layout.native_decodes.rows.tolist() == [0, 11]
-    assert layout.native_decodes.lens.tolist() == [case.seq_lens[0], case.seq_lens[3]]
-    prefill_blocks = sum(-(-case.seq_lens[i] // case.block_size) for i in (1, 2))
-    assert layout.block_ids.numel() == prefill_blocks
+    # Each of the 6 is a decode over the context up to itself.
+    assert layout.native_decodes.rows.tolist() == [0, 11, 1, 2, 3, 4, 5, 6]
+    assert layout.native_decodes.lens.tolist() == [case.seq_lens[0], case.seq_lens[3], 17, 18, 19, 20, 21, 22]
+    assert layout.native_decodes.block_table.tolist()[2:] == [batch.block_table[1].tolist()] * 6
+    assert [chunk.start for chunk in layout.prefills] == [7]
+    assert layout.block_ids.numel() == -(-case.seq_lens[2] // case.block_size)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -270,13 +270,13 @@ class CpuPagedAttention:
     def _bind(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
               scale: float, num_heads: int) -> BoundDecodes | None:
         plan = metadata.plan
-        if (self._native is None or not isinstance(plan, CpuAttentionPlan) or metadata.max_query_len != 1
-                or qkv.dim() != 2 or qkv.dtype not in (torch.float32, torch.bfloat16) or qkv.device.type != "cpu"
+        if (self._native is None or not isinstance(plan, CpuAttentionPlan) or qkv.dim() != 2 or qkv.dtype not in (torch.float32, torch.bfloat16) or qkv.device.type != "cpu"
                 or not qkv.is_contiguous() or not (k_cache.dtype == v_cache.dtype == qkv.dtype)
                 or not (_is_head_major(k_cache) and _is_head_major(v_cache))):
             return None
-        decodes = plan.layout(k_cache.shape[1], torch.float32, True).native_decodes
-        if decodes is None:
+        layout = plan.layout(k_cache.shape[1], torch.float32, True)
+        decodes = layout.native_decodes
+        if decodes is None or len(decodes.rows) != qkv.shape[0]:  # some tokens are prefills: the routine is not theirs
             return None
         bound = self._native.bind(decodes, metadata.slot_mapping, qkv, k_cache, num_heads, scale)
         return bound if bound.fits(qkv, k_cache, v_cache, scale) else None

@@ -37,6 +37,9 @@ MIN_SHARED_PREFIX_BLOCKS = 4
 # Prefill chunks attending to at most this many (query, key) pairs run in the compiled routine, when it is
 # built; bigger ones in SDPA (measurements: native_prefill_wins).
 NATIVE_PREFILL_MAX_PAIRS = 96 * 1024
+# Chunks of at most this many new tokens after earlier context run in the compiled decode routine, a decode per
+# token: a speculative verification's k + 1 positions (vLLM's default k is at most 5), not a prompt's prefill.
+MAX_CHUNK_AS_DECODES = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +188,13 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native:
         rows += shared
 
     decodes = []
-    native_decodes = _native_decodes(plan, decoding, block_size) if native and len(decoding) else None
+    # A few new tokens after earlier context (a speculative verification, a short chunk) run as one decode per
+    # token, each over the context up to itself: the compiled routine takes them with the step's decodes, so a
+    # verification step is computed as the same positions' plain decodes are.
+    as_decodes = (np.flatnonzero((query_lens > 1) & (query_lens <= MAX_CHUNK_AS_DECODES) & (plan.seq_lens > query_lens))
+                  if native else np.zeros(0, dtype=np.int64))
+    native_decodes = (_native_decodes(plan, decoding, as_decodes, block_size)
+                      if native and len(decoding) + len(as_decodes) else None)
     own_blocks = num_blocks - skipped
     for seqs in [] if native else _decode_batches(decoding, own_blocks):
         width = int(own_blocks[seqs].max())
@@ -203,7 +212,7 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native:
         ))
         rows += len(seqs) * width
 
-    chunks = np.flatnonzero(query_lens > 1)
+    chunks = np.setdiff1d(np.flatnonzero(query_lens > 1), as_decodes)
     in_place = np.array([native_prefill_wins(int(query_lens[seq]), int(plan.seq_lens[seq]), wide_prefill)
                          for seq in chunks]
                         if native_prefill else [False] * len(chunks), dtype=bool)
@@ -224,13 +233,22 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native:
                       tuple(shared_prefixes), tuple(prefills), in_order)
 
 
-def _native_decodes(plan: CpuAttentionPlan, seqs: np.ndarray, block_size: int) -> NativeDecodes:
-    """The decodes ``seqs`` for the compiled routine; ``ValueError`` for a context longer than its table row,
-    which C would read past (the torch path clamps instead)."""
+def _native_decodes(plan: CpuAttentionPlan, seqs: np.ndarray, chunks: np.ndarray, block_size: int) -> NativeDecodes:
+    """The decodes ``seqs``, and each token of the short ``chunks`` as a decode of its own, for the compiled routine;
+    ``ValueError`` for a context longer than its table row, which C would read past (the torch path clamps
+    instead)."""
     every = len(seqs) == len(plan.seq_lens)  # the usual step: the plan's arrays serve as they are
     rows = plan.starts[:-1] if every else plan.starts[seqs]
     table = plan.block_table if every else plan.block_table[seqs]
     lens = plan.seq_lens if every else plan.seq_lens[seqs]
+    if len(chunks):
+        query_lens = plan.starts[chunks + 1] - plan.starts[chunks]
+        owner = np.repeat(chunks, query_lens)
+        # Token j of a chunk of q new tokens over s keys sees the first s - q + j + 1 of them.
+        offset = np.arange(len(owner)) - np.repeat(np.cumsum(query_lens) - query_lens, query_lens)
+        rows = np.concatenate([rows, plan.starts[owner] + offset])
+        table = np.concatenate([table, plan.block_table[owner]])
+        lens = np.concatenate([lens, plan.seq_lens[owner] - np.repeat(query_lens, query_lens) + offset + 1])
     rows, table, lens = np.ascontiguousarray(rows), np.ascontiguousarray(table), np.ascontiguousarray(lens)
     max_len = int(lens.max())
     if -(-max_len // block_size) > table.shape[1]:
