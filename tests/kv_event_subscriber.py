@@ -37,8 +37,7 @@ class Subscriber:
     """A SUB socket on ``endpoint``. With ``follow``, a thread reads it all along, as a router's event loop does:
     a SUB socket nobody reads while its publisher restarts received none of the new publisher's batches in our
     runs, while one read between the lives received both (our reading: libzmq finishes a reconnection when
-    the application calls into the socket), so a subscriber
-    read only at the end is not what a router sees."""
+    the application calls into the socket), so a subscriber read only at the end is not what a router sees."""
 
     def __init__(self, endpoint: str, topic: bytes = b"", follow: bool = False) -> None:
         self._context = zmq.Context()
