@@ -109,13 +109,15 @@ def main() -> None:
     args = parser.parse_args()
     max_len = max(args.context, args.prompt_len) + args.steps + 16
     checkpoint = bench_model(args.model)
-    with tempfile.TemporaryDirectory() as scratch:
-        package_parent = None
-        if args.base is not None:
-            package_parent = Path(scratch)
-            (package_parent / "pagedllm").symlink_to((args.base / "backend").resolve())
-        engines = {"A": Engine(checkpoint, args.dtype, args.a, args.batch, max_len, package_parent),
-                   "B": Engine(checkpoint, args.dtype_b or args.dtype, args.b, args.batch, max_len, None)}
+    # Kept for the whole run: engine A's routines built on first use (the MoE experts) find their sources
+    # through this link.
+    scratch = tempfile.TemporaryDirectory()
+    package_parent = None
+    if args.base is not None:
+        package_parent = Path(scratch.name)
+        (package_parent / "pagedllm").symlink_to((args.base / "backend").resolve())
+    engines = {"A": Engine(checkpoint, args.dtype, args.a, args.batch, max_len, package_parent),
+               "B": Engine(checkpoint, args.dtype_b or args.dtype, args.b, args.batch, max_len, None)}
     if args.stub_linears:
         for engine in engines.values():
             _stub_linears(engine.modules["pagedllm.layers.cpu_linear"])
@@ -155,6 +157,7 @@ def main() -> None:
     print(f"greedy tokens of the decode batch: {'identical' if same else 'DIFFER'}")
     for engine in engines.values():
         engine.llm.close()
+    scratch.cleanup()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ import json
 import logging
 import shutil
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from typing import Any
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,11 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from pagedllm.attention.backends import attention_backend_named
+from pagedllm.attention.cpu_attention import new_cpu_cache
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.native_decode import load_native_decode
 from pagedllm.models import CausalLM, load_model
+from pagedllm.models.llama import Attention
 from pagedllm.platform.cpu_dtypes import native_cpu_dtypes, unsupported_cpu_dtype_message
 from pagedllm.layers import cpu_linear
 from pagedllm.layers.cpu_linear import SWITCH_ENV, MklPackedLinear, OneDnnLinear, PackedLinear, packed_linear_choice
@@ -151,6 +155,41 @@ def test_mixed_batch_matches_transformers_per_sequence(arch: str, backend: str, 
     for seq in (a, b, c):
         torch.testing.assert_close(torch.cat(seq.logits), reference_logits(model_dir, seq.tokens),
                                    atol=ATOL[linears], rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_cpu_decode_steps_attend_from_the_fused_rows_in_every_arch(arch: str,
+                                                                   tiny_model_dir: Callable[[str], Path]) -> None:
+    """Qwen3's per-head q/k norms are written back into the fused rows, so its decodes take attend_qkv as the
+    others' do, and still match transformers."""
+    if load_native_decode() is None:
+        pytest.skip("the native decode routine cannot be built here")
+    model_dir = tiny_model_dir(arch)
+    model = load(model_dir)
+    taken: list[bool] = []
+    attend_qkv = model.attention.attend_qkv
+    assert attend_qkv is not None
+
+    def spy(*args: Any) -> torch.Tensor | None:
+        out = attend_qkv(*args)
+        taken.append(out is not None)
+        return out
+
+    spied = replace(model.attention, attend_qkv=spy)
+    for layer in model.modules():
+        if isinstance(layer, Attention):
+            layer.attention = spied
+    shape = (NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
+    caches = [(new_cpu_cache(shape, torch.float32, CPU).fill_(UNWRITTEN),
+               new_cpu_cache(shape, torch.float32, CPU).fill_(UNWRITTEN)) for _ in range(model.num_layers)]
+    (seq,) = make_sequences([24], seed=4, vocab_size=model.vocab_size)
+    run_step(model, caches, [(seq, 21)])
+    taken.clear()  # a prefill is left to write_kv + attend
+    for _ in range(3):
+        run_step(model, caches, [(seq, 1)])
+    assert taken == [True] * 3 * model.num_layers
+    torch.testing.assert_close(torch.cat(seq.logits), reference_logits(model_dir, seq.tokens), atol=ATOL["onednn"],
+                               rtol=0)
 
 
 def test_model_reports_cache_geometry(tiny_model_dir: Callable[[str], Path]) -> None:

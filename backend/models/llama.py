@@ -65,10 +65,11 @@ class Attention(nn.Module):
         self.o_proj = _linear(self.q_size, config.hidden_size, False)
         self.o_bias = _bias(config.hidden_size, traits.o_bias)
         self.tp = tp
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if traits.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if traits.qk_norm else None
-        # Rotary in place on the fused q|k heads; per-head q/k norms come first, so those models keep torch's.
-        self.fused_rotary = None if traits.qk_norm else fused
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, fused) if traits.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, fused) if traits.qk_norm else None
+        # Rotary in place on the fused q|k heads (after the per-head q/k norms, written back there, where a model
+        # has them).
+        self.fused_rotary = fused
         # An 8-bit KV cache's scales for this layer (pagedllm.attention.kv_quant), set by the engine; None otherwise.
         self.kv_scales: LayerKvScales | None = None
 
@@ -83,6 +84,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj.forward(x)
         cos, sin = rope
         if self.fused_rotary is not None:
+            if self.q_norm is not None and self.k_norm is not None:
+                self._norm_heads_(qkv, self.q_norm, self.k_norm)
             self.fused_rotary.rotate_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
             attend_qkv = self.attention.attend_qkv
             if attend_qkv is not None and self.kv_scales is None:
@@ -93,10 +96,10 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
         if self.fused_rotary is None:
+            if self.q_norm is not None and self.k_norm is not None:
+                q = self.q_norm(q)
+                k = self.k_norm(k)
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
         k_cache, v_cache = kv_cache
@@ -110,6 +113,14 @@ class Attention(nn.Module):
             self.attention.write_kv(k, v, k_cache, v_cache, attn.slot_mapping, scales.k, scales.v)
             out = self.attention.attend(q, k_cache, v_cache, attn, self.scale, scales.k, scales.v)
         return self._output(out.reshape(num_tokens, self.q_size))
+
+    def _norm_heads_(self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm) -> None:
+        """The per-head q and k norms (Qwen3), written back into the fused rows, so that the fused rotary and
+        ``attend_qkv`` read them there as they do a model's without these norms."""
+        q = qkv[:, : self.q_size]
+        k = qkv[:, self.q_size : self.q_size + self.kv_size]
+        q.copy_(q_norm.forward(q.reshape(-1, self.head_dim)).view(q.shape))
+        k.copy_(k_norm.forward(k.reshape(-1, self.head_dim)).view(k.shape))
 
     def _output(self, attended: torch.Tensor) -> torch.Tensor:
         out = self.tp.all_reduce(self.o_proj.forward(attended))
