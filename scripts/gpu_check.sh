@@ -21,6 +21,8 @@
 #   lora     multi-LoRA: the compiled shrink/expand kernels against their references (fp32, bf16, ranks 4-64),
 #            their ms against a per-adapter torch loop at Llama-3.1-8B q|k|v shapes, and the CUDA engine's
 #            tokens through three adapters (max_loras=2) against the CPU engine's
+#   spec     speculative decoding (issue 41): n-gram and the embedded model's draft, graphs off and on, greedy
+#            tokens with speculation against without, and ms per output token at batch 1 (scripts/gpu/spec_check.py)
 #   fp8      FP8 KV cache kernels against their references (bytes written, attention read), the engine
 #            with kv_cache_dtype=fp8_e4m3 against the CPU backend's tokens, FP8-weight Linears on
 #            torch._scaled_mm (each scaling mode, and a decode step) against the dequantized path, and an
@@ -34,14 +36,14 @@
 #   bash scripts/gpu_check.sh kernels gpu        (timeouts 110 + 450 s)
 # then, in a later call or session: `tiles` (240 s; paste its table, commit, then `kernels` again),
 # `engine graphs launch plan` (515 s), and `moe tp fp8` (420 s).
-# Usage: bash scripts/gpu_check.sh [engine] [graphs] [launch] [kernels] [plan] [moe] [tp] [fp8] [lora] [gpu] [tiles]
+# Usage: bash scripts/gpu_check.sh [engine] [graphs] [launch] [kernels] [plan] [moe] [tp] [fp8] [lora] [spec] [gpu] [tiles]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 SECTIONS=("$@")
-[ ${#SECTIONS[@]} -eq 0 ] && SECTIONS=(engine graphs launch kernels plan moe tp fp8 lora gpu tiles)
+[ ${#SECTIONS[@]} -eq 0 ] && SECTIONS=(engine graphs launch kernels plan moe tp fp8 lora spec gpu tiles)
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/pagedllm-install.log 2>&1 \
     || { cat /tmp/pagedllm-install.log; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -71,9 +73,10 @@ for name in "${SECTIONS[@]}"; do
         tp) section tp 90 python3 scripts/gpu/tp_nccl.py ;;
         fp8) section fp8 210 python3 scripts/gpu/fp8_check.py ;;
         lora) section lora 120 python3 scripts/gpu/lora_check.py ;;
+        spec) section spec 150 python3 scripts/gpu/spec_check.py ;;
         gpu) section gpu 450 pagedllm bench gpu --json "$OUT/bench_gpu.json" ;;
         tiles) section tiles 240 python3 scripts/gpu/tune_attention_tiles_gpu.py --json "$OUT/attention_tiles.json" ;;
-        *) echo "unknown section $name (engine, graphs, launch, kernels, plan, moe, tp, fp8, lora, gpu, tiles)"
+        *) echo "unknown section $name (engine, graphs, launch, kernels, plan, moe, tp, fp8, lora, spec, gpu, tiles)"
            FAILED+=("$name") ;;
     esac
 done
