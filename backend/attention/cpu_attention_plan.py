@@ -171,11 +171,22 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native:
             native_prefill: bool, wide_prefill: bool) -> StepLayout:
     """Index math in numpy, one host-to-torch conversion per tensor: this runs once per step."""
     query_lens = np.diff(plan.starts)
+    decoding = np.flatnonzero(query_lens == 1)
+    # A few new tokens after earlier context (a speculative verification, a short chunk) run as one decode per
+    # token, each over the context up to itself: the compiled routine takes them with the step's decodes, so a
+    # verification step is computed as the same positions' plain decodes are.
+    short = (query_lens > 1) & (query_lens <= MAX_CHUNK_AS_DECODES) & (plan.seq_lens > query_lens)
+    as_decodes = np.flatnonzero(short) if native else np.zeros(0, dtype=np.int64)
+    if native and len(decoding) + len(as_decodes) == len(query_lens) and len(query_lens):
+        # The usual step (decodes, verifications): the compiled routine reads every sequence in place, so nothing
+        # below applies. Returning here keeps this per-step host work to a few numpy calls, which a small model's
+        # forward (a speculative draft's) pays once per forward.
+        return StepLayout(_tensor(np.zeros(0, dtype=np.int64), plan.device), (),
+                          _native_decodes(plan, decoding, as_decodes, block_size), None, (), (), False)
     num_blocks = -(-plan.seq_lens // block_size)
     block_ids: list[np.ndarray] = []
     rows = 0
 
-    decoding = np.flatnonzero(query_lens == 1)
     skipped = np.zeros_like(num_blocks)  # leading blocks a decode attends to through its shared prefix
     shared_prefixes = []
     # The compiled routine reads a shared prefix in place, from cache for every sharer after the
@@ -188,11 +199,6 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native:
         rows += shared
 
     decodes = []
-    # A few new tokens after earlier context (a speculative verification, a short chunk) run as one decode per
-    # token, each over the context up to itself: the compiled routine takes them with the step's decodes, so a
-    # verification step is computed as the same positions' plain decodes are.
-    as_decodes = (np.flatnonzero((query_lens > 1) & (query_lens <= MAX_CHUNK_AS_DECODES) & (plan.seq_lens > query_lens))
-                  if native else np.zeros(0, dtype=np.int64))
     native_decodes = (_native_decodes(plan, decoding, as_decodes, block_size)
                       if native and len(decoding) + len(as_decodes) else None)
     own_blocks = num_blocks - skipped
@@ -212,7 +218,7 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native:
         ))
         rows += len(seqs) * width
 
-    chunks = np.setdiff1d(np.flatnonzero(query_lens > 1), as_decodes)
+    chunks = np.flatnonzero((query_lens > 1) & ~short) if native else np.flatnonzero(query_lens > 1)
     in_place = np.array([native_prefill_wins(int(query_lens[seq]), int(plan.seq_lens[seq]), wide_prefill)
                          for seq in chunks]
                         if native_prefill else [False] * len(chunks), dtype=bool)
