@@ -43,6 +43,7 @@ from typing import Any
 from pagedllm_bench import report
 from pagedllm_bench.vllm_cpu import SCRIPTS, build_vllm_venv, vllm_env
 from pagedllm.core.model_source import DEFAULT_MODEL_DIR
+from pagedllm.core.speculative_config import DRAFT_DTYPES
 from pagedllm.engine.llm import LLM
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.testing.tokenizer_training import python_stdlib_texts
@@ -70,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-confidence-threshold", type=float, default=None,
                         help="speculative_config.draft_confidence_threshold with --method draft_model (default: the "
                              "config's default; 0 drafts k every step)")
+    parser.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default=None,
+                        help="speculative_config.draft_dtype with --method draft_model (default: the config's default)")
     parser.add_argument("--disable-by-batch-size", type=int, default=None,
                         help="speculative_config.disable_by_batch_size (default: the config's default)")
     parser.add_argument("--threads", type=int, default=1)
@@ -86,6 +89,8 @@ def speculative_config(args: argparse.Namespace) -> dict[str, Any]:
             config["model"] = args.draft_model
         if args.draft_confidence_threshold is not None:
             config["draft_confidence_threshold"] = args.draft_confidence_threshold
+        if args.draft_dtype is not None:
+            config["draft_dtype"] = args.draft_dtype
     if args.disable_by_batch_size is not None:
         config["disable_by_batch_size"] = args.disable_by_batch_size
     return config

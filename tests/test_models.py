@@ -16,7 +16,7 @@ from safetensors import safe_open
 import torch.nn.functional as F
 from torch import nn
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
 from pagedllm.attention.backends import attention_backend_named
 from pagedllm.attention.cpu_attention import new_cpu_cache
@@ -26,6 +26,7 @@ from pagedllm.models import CausalLM, load_model
 from pagedllm.models.llama import Attention
 from pagedllm.platform.cpu_dtypes import native_cpu_dtypes, unsupported_cpu_dtype_message
 from pagedllm.layers import cpu_linear
+from pagedllm.layers.norm_rotary import MAX_ROTARY_TABLE_VALUES, RotaryEmbedding
 from pagedllm.layers.cpu_linear import SWITCH_ENV, MklPackedLinear, OneDnnLinear, PackedLinear, packed_linear_choice
 
 ARCHES = ["llama", "mistral", "qwen2", "qwen3"]
@@ -406,3 +407,26 @@ def test_greedy_decode_equals_transformers_generate(arch: str, tiny_model_dir: C
         if i + 1 < new_tokens:
             run_step(model, caches, [(seq, 1)])
     assert seq.tokens[20:].tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_tables_give_the_computed_bits(dtype: torch.dtype) -> None:
+    """A small model's cos/sin come from tables of every position, bit for bit what computing them per call
+    gives (the same elementwise ops); a model with more positions than the cap computes them."""
+    config = LlamaConfig(hidden_size=64, num_attention_heads=2, max_position_embeddings=300,
+                         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
+    rotary = RotaryEmbedding(config, CPU)
+    positions = torch.tensor([0, 7, 8, 150, 299, 5])
+    cos, sin = rotary(positions, dtype)
+    assert dtype in rotary._tables  # the lookup ran, not the computation
+    want_cos, want_sin = rotary._compute(positions, dtype)
+    assert cos.shape == want_cos.shape == (6, 1, 32) and cos.dtype == dtype
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    for position in positions.tolist():  # each row as its position alone computes it
+        alone = rotary._compute(torch.tensor([position]), dtype)
+        assert torch.equal(rotary(torch.tensor([position]), dtype)[0], alone[0])
+
+    long = LlamaConfig(hidden_size=64, num_attention_heads=2, max_position_embeddings=MAX_ROTARY_TABLE_VALUES)
+    computed = RotaryEmbedding(long, CPU)
+    computed(positions, dtype)
+    assert not computed._tables

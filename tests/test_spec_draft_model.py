@@ -47,12 +47,14 @@ def draft_dir(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.Te
     return build
 
 
-def with_draft(model_dir: Path, draft: Path, threshold: float = 0.0, **engine_args: object) -> LLM:
+def with_draft(model_dir: Path, draft: Path, threshold: float = 0.0, draft_dtype: str | None = None,
+               **engine_args: object) -> LLM:
     """A tiny random model's draft is rarely confident (its softmax is nearly flat): the cases drafting all ``K``
-    at every step pin the confidence threshold to 0."""
+    at every step pin the confidence threshold to 0. ``draft_dtype`` unset: the default, bfloat16 on a CPU that
+    computes it natively, float32 elsewhere."""
     return LLM(model=str(model_dir), dtype="float32", **engine_args, speculative_config={
         "method": "draft_model", "model": str(draft), "num_speculative_tokens": K, "disable_by_batch_size": 0,
-        "draft_confidence_threshold": threshold})
+        "draft_confidence_threshold": threshold, "draft_dtype": draft_dtype})
 
 
 def assert_speculated(llm: LLM) -> None:
@@ -149,7 +151,7 @@ def test_the_target_as_its_own_draft_has_every_draft_accepted(tiny_model_dir: Ca
     system = torch.randint(3, 1000, (40,), generator=generator).tolist()
     prompts = [system + torch.randint(3, 1000, (n,), generator=generator).tolist() for n in (3, 60, 70)]
     tight = {"num_kv_blocks": -(-(110 + NEW_TOKENS + 2 * K) // 16) + 1, "max_num_seqs": 2}
-    llm = with_draft(model_dir, model_dir, **tight)
+    llm = with_draft(model_dir, model_dir, draft_dtype="float32", **tight)  # the target's own arithmetic
     run(llm, prompts, GREEDY)
     stats = llm.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
@@ -159,6 +161,26 @@ def test_the_target_as_its_own_draft_has_every_draft_accepted(tiny_model_dir: Ca
     assert counts.num_accepted_tokens_per_pos[0] == counts.num_drafts
     # Runs shorter than K only where a sequence nears max_tokens or lacks lookahead room: few of them.
     assert counts.num_accepted_tokens_per_pos[K - 1] >= counts.num_drafts - 2 * len(prompts)
+
+
+@pytest.mark.parametrize("draft_dtype", ["bfloat16", "float32"])
+def test_the_draft_runs_in_draft_dtype_and_greedy_stays_the_targets(tiny_model_dir: Callable[[str], Path],
+                                                                     draft_dir: Callable[[str], Path],
+                                                                     draft_dtype: str) -> None:
+    """A float32 target's draft in bfloat16 (the default where the CPU computes it natively): its weights and
+    its K/V caches are bfloat16, and the target's verification keeps the greedy tokens exact."""
+    model_dir, draft = tiny_model_dir("llama"), draft_dir("llama")
+    prompts = random_prompts(seed=13)[:3]
+    want = run(LLM(model=str(model_dir), dtype="float32"), prompts, GREEDY)
+    llm = with_draft(model_dir, draft, draft_dtype=draft_dtype)
+    assert_same(run(llm, prompts, GREEDY), want)
+    assert_speculated(llm)
+    assert llm.engine.speculative is not None and llm.engine.speculative.draft is not None
+    runner = llm.engine.speculative.draft.runner
+    dtype = getattr(torch, draft_dtype)
+    assert runner.model.model.embed_tokens.weight.dtype == dtype
+    assert runner.kv_caches[0][0].dtype == dtype
+    assert llm.engine.runner.kv_caches[0][0].dtype == torch.float32
 
 
 def edited(source: Path, out: Path, edit: Callable[[Path], None]) -> Path:

@@ -52,9 +52,10 @@ def test_greedy_with_a_draft_model_at_tp2_equals_tp1_without_speculation(
         draft_runner = engine.speculative.draft.runner
         assert draft_runner.model.tp.size == 1  # the whole draft, on rank 0 only
         # Rank 0 holds its share of the target's K/V and all of the draft's in every block; the worker holds
-        # only its share, and the block count both were sent is rank 0's (the ranks' budget is the same).
+        # only its share, and the block count both were sent is rank 0's (the ranks' budget is the same). The
+        # draft's caches are in its own dtype (draft_dtype: bfloat16 where the CPU computes it natively).
         per_block = (ModelRunner.bytes_per_block(engine.model, 16, torch.float32)
-                     + ModelRunner.bytes_per_block(draft_runner.model, 16, torch.float32))
+                     + ModelRunner.bytes_per_block(draft_runner.model, 16, draft_runner.kv_caches[0][0].dtype))
         assert llm.stats().num_blocks_total == int(BUDGET_GB * (1 << 30)) // per_block
 
 

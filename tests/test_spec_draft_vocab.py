@@ -76,10 +76,10 @@ def test_greedy_with_a_cut_vocabulary_equals_without_and_drafts_only_its_tokens(
 
 def test_the_cut_head_scores_exactly_the_full_heads_columns(tiny_model_dir: Callable[[str], Path],
                                                            tmp_path: Path) -> None:
-    """The cut draft's logits are the uncut draft's at the kept ids (same weights, same input)."""
+    """The cut draft's logits are the uncut draft's at the kept ids (same weights, same input, both float32)."""
     model_dir = tiny_model_dir("llama")
     draft, ids = subset_draft(model_dir, tmp_path / "draft", set(range(0, 200, 3)))
-    cut = with_draft(model_dir, draft)
+    cut = with_draft(model_dir, draft, draft_dtype="float32")
     hidden = torch.randn(3, cut.engine.model.hidden_size, generator=torch.Generator().manual_seed(0))
     cut_model = cut.engine.speculative.draft.runner.model  # type: ignore[union-attr]
     uncut = LLM(model=str(draft), dtype="float32").engine.model

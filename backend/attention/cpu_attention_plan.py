@@ -171,11 +171,23 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native:
             native_prefill: bool, wide_prefill: bool) -> StepLayout:
     """Index math in numpy, one host-to-torch conversion per tensor: this runs once per step."""
     query_lens = np.diff(plan.starts)
+    decoding = np.flatnonzero(query_lens == 1)
+    # The usual steps (decodes, verifications) have the compiled routine read every sequence in place, so nothing
+    # after these returns applies to them. Returning early keeps this per-step host work to a few numpy calls,
+    # which a small model's forward (a speculative draft's) pays once per forward.
+    if native and len(decoding) == len(query_lens) and len(decoding):
+        return _in_place_layout(plan, decoding, decoding[:0], block_size)
+    # A few new tokens after earlier context (a speculative verification, a short chunk) run as one decode per
+    # token, each over the context up to itself: the compiled routine takes them with the step's decodes, so a
+    # verification step is computed as the same positions' plain decodes are.
+    short = (query_lens > 1) & (query_lens <= MAX_CHUNK_AS_DECODES) & (plan.seq_lens > query_lens)
+    as_decodes = np.flatnonzero(short) if native else np.zeros(0, dtype=np.int64)
+    if native and len(decoding) + len(as_decodes) == len(query_lens) and len(query_lens):
+        return _in_place_layout(plan, decoding, as_decodes, block_size)
     num_blocks = -(-plan.seq_lens // block_size)
     block_ids: list[np.ndarray] = []
     rows = 0
 
-    decoding = np.flatnonzero(query_lens == 1)
     skipped = np.zeros_like(num_blocks)  # leading blocks a decode attends to through its shared prefix
     shared_prefixes = []
     # The compiled routine reads a shared prefix in place, from cache for every sharer after the
@@ -188,11 +200,6 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native:
         rows += shared
 
     decodes = []
-    # A few new tokens after earlier context (a speculative verification, a short chunk) run as one decode per
-    # token, each over the context up to itself: the compiled routine takes them with the step's decodes, so a
-    # verification step is computed as the same positions' plain decodes are.
-    as_decodes = (np.flatnonzero((query_lens > 1) & (query_lens <= MAX_CHUNK_AS_DECODES) & (plan.seq_lens > query_lens))
-                  if native else np.zeros(0, dtype=np.int64))
     native_decodes = (_native_decodes(plan, decoding, as_decodes, block_size)
                       if native and len(decoding) + len(as_decodes) else None)
     own_blocks = num_blocks - skipped
@@ -212,7 +219,7 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native:
         ))
         rows += len(seqs) * width
 
-    chunks = np.setdiff1d(np.flatnonzero(query_lens > 1), as_decodes)
+    chunks = np.flatnonzero((query_lens > 1) & ~short) if native else np.flatnonzero(query_lens > 1)
     in_place = np.array([native_prefill_wins(int(query_lens[seq]), int(plan.seq_lens[seq]), wide_prefill)
                          for seq in chunks]
                         if native_prefill else [False] * len(chunks), dtype=bool)
@@ -231,6 +238,13 @@ def _layout(plan: CpuAttentionPlan, block_size: int, dtype: torch.dtype, native:
     in_order = len(decodes) == 1 and decodes[0].num_seqs == len(query_lens) and not shared_prefixes
     return StepLayout(_tensor(ids, plan.device), tuple(decodes), native_decodes, in_place_chunks,
                       tuple(shared_prefixes), tuple(prefills), in_order)
+
+
+def _in_place_layout(plan: CpuAttentionPlan, decoding: np.ndarray, as_decodes: np.ndarray,
+                     block_size: int) -> StepLayout:
+    """A step whose every sequence the compiled decode routine runs: nothing to gather."""
+    return StepLayout(torch.empty(0, dtype=torch.int64, device=plan.device), (),
+                      _native_decodes(plan, decoding, as_decodes, block_size), None, (), (), False)
 
 
 def _native_decodes(plan: CpuAttentionPlan, seqs: np.ndarray, chunks: np.ndarray, block_size: int) -> NativeDecodes:

@@ -21,6 +21,12 @@ guess the draft itself doubts is likely rejected and every draft step after it w
 (``num_speculative_tokens`` is then the most drafts per step). ``None`` keeps the measured default
 (``DEFAULT_DRAFT_CONFIDENCE_THRESHOLD``); ``0`` always drafts ``k``.
 
+``draft_dtype`` (method ``draft_model`` only; ours): the draft's compute dtype, one of ``DRAFT_DTYPES``.
+``None`` or ``"auto"``: the target's, except that a float32 target on a CPU that computes bfloat16
+natively (avx512_bf16 or AMX) runs its draft in bfloat16, whose weights stream at half the bytes. The
+draft only proposes: the target's verification decides every token, so greedy output stays the
+target's and rejection sampling reads the draft's own ``q``, whatever the draft's precision.
+
 Torch-free, like the rest of the configuration.
 """
 from __future__ import annotations
@@ -42,6 +48,7 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 # default model and its shipped draft, where it cut more draft steps than accepted tokens (RESULTS, issue 41 on
 # the AMX host, "Where a speculative step's time goes; draft steps cut by the draft's confidence").
 DEFAULT_DRAFT_CONFIDENCE_THRESHOLD = 0.3
+DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Drafted tokens a request is measured over before its acceptance rate may turn its speculation off.
 ACCEPTANCE_RATE_MIN_DRAFTS = 32
 
@@ -56,6 +63,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     disable_by_acceptance_rate: float | None = None
     draft_confidence_threshold: float | None = None
+    draft_dtype: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.method in METHODS, "method", self.method, f"one of {', '.join(METHODS)}")
@@ -88,6 +96,11 @@ class SpeculativeConfig:
                      "draft_confidence_threshold", threshold, "null or a number in [0, 1]")
         else:
             _require(threshold is None, "draft_confidence_threshold", threshold, f"null with method {self.method!r}")
+        if self.method == "draft_model":
+            _require(self.draft_dtype is None or self.draft_dtype in DRAFT_DTYPES, "draft_dtype", self.draft_dtype,
+                     f"null or one of {', '.join(DRAFT_DTYPES)}")
+        else:
+            _require(self.draft_dtype is None, "draft_dtype", self.draft_dtype, f"null with method {self.method!r}")
 
     @property
     def max_batch_size(self) -> int | None:

@@ -86,8 +86,9 @@ def set_up_device_side(config: EngineConfig, model_dir: Path) -> DeviceSide:
         # The draft lives whole on rank 0 alone (it is small; sharding it would add collectives to each of its
         # forwards): its proposals reach the workers as scheduled tokens in the step broadcast. Its bytes per
         # block count only here, where its caches are; the workers take the block count rank 0 sends.
-        draft, draft_vocab = _load_draft(config, model_dir, model, dtype, device, attention, max_model_len)
-        draft_block_bytes = 0 if draft is None else ModelRunner.bytes_per_block(draft, config.block_size, dtype)
+        draft_dtype = _draft_dtype(config, dtype, device)
+        draft, draft_vocab = _load_draft(config, model_dir, model, draft_dtype, device, attention, max_model_len)
+        draft_block_bytes = 0 if draft is None else ModelRunner.bytes_per_block(draft, config.block_size, draft_dtype)
         num_blocks = _num_kv_blocks(config, model, kv_cache_dtype, max_model_len, device, draft_block_bytes)
         if workers is not None:
             workers.send(RunnerSpec(num_blocks, max_model_len))
@@ -98,7 +99,7 @@ def set_up_device_side(config: EngineConfig, model_dir: Path) -> DeviceSide:
                              cuda_graphs=config.cuda_graphs, lora=lora)
         # The draft's K/V caches have the target's blocks, so the target's block tables index both.
         draft_runner = None if draft is None else ModelRunner(draft, attention, num_blocks, config.block_size,
-                                                              dtype, device, limits)
+                                                              draft_dtype, device, limits)
     except BaseException:
         if workers is not None:
             workers.close()
@@ -107,10 +108,23 @@ def set_up_device_side(config: EngineConfig, model_dir: Path) -> DeviceSide:
                       draft_vocab)
 
 
+def _draft_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The draft's compute dtype (``speculative_config.draft_dtype``), given the target's ``dtype``: see
+    :mod:`pagedllm.core.speculative_config`. A draft forward reads all its weights for a few tokens, so at half
+    the bytes it is cheaper, and its precision only moves which tokens it proposes."""
+    spec = config.speculative_config
+    chosen = None if spec is None else spec.draft_dtype
+    if chosen not in (None, "auto"):
+        return getattr(torch, chosen)
+    if device.type == "cpu" and dtype == torch.float32 and torch.bfloat16 in native_cpu_dtypes():
+        return torch.bfloat16
+    return dtype
+
+
 def _load_draft(config: EngineConfig, model_dir: Path, model: CausalLM, dtype: torch.dtype, device: torch.device,
                 attention: AttentionBackend, max_model_len: int) -> tuple[CausalLM | None, torch.Tensor | None]:
-    """The draft model of ``speculative_config`` method draft_model, checked against the target, with its
-    head cut to its vocabulary if it ships one (and that vocabulary); else Nones."""
+    """The draft model of ``speculative_config`` method draft_model in ``dtype``, checked against the target,
+    with its head cut to its vocabulary if it ships one (and that vocabulary); else Nones."""
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
         return None, None

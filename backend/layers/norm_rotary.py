@@ -88,6 +88,12 @@ def rope_inverse_frequencies(config: PretrainedConfig, device: torch.device) -> 
     return inv_freq.to(device=device, dtype=torch.float), float(scaling)
 
 
+# A model whose every position's cos and sin fit in this many values each keeps them as tables and looks a
+# batch's rows up (one index_select each) instead of computing them (about ten ops): a fixed cost per forward
+# that a small model's forward, a speculative draft's, pays k times a step. Longer contexts compute them per call.
+MAX_ROTARY_TABLE_VALUES = 1 << 20
+
+
 class RotaryEmbedding:
     """Cos/sin tables for arbitrary token positions of a flat batch."""
 
@@ -95,9 +101,24 @@ class RotaryEmbedding:
         # Its own device scope: the model around it may be under construction on "meta".
         with torch.device(device):
             self.inv_freq, self.scaling = rope_inverse_frequencies(config, device)
+        positions = getattr(config, "max_position_embeddings", None)
+        # The engine keeps every position below max_position_embeddings (max_model_len may not exceed it).
+        fits = positions is not None and positions * 2 * self.inv_freq.numel() <= MAX_ROTARY_TABLE_VALUES
+        self._table_positions: int | None = positions if fits else None
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # built on first use of a dtype
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` int64 [num_tokens] -> (cos, sin), each [num_tokens, 1, head_dim]."""
+        if self._table_positions is None:
+            return self._compute(positions, dtype)
+        tables = self._tables.get(dtype)
+        if tables is None:
+            # Elementwise, so each row is what computing its position alone gives.
+            every = torch.arange(self._table_positions, device=self.inv_freq.device)
+            tables = self._tables[dtype] = self._compute(every, dtype)
+        return tables[0].index_select(0, positions), tables[1].index_select(0, positions)
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.scaling).to(dtype)
