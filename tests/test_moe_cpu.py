@@ -15,7 +15,9 @@ from pagedllm.kernels.fused_moe_reference import fused_moe_ref
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers import moe_cpu
 from pagedllm.layers.moe import SparseMoeBlock
+from pagedllm.layers.cpu_linear import packed_linear_choice
 from pagedllm.layers.moe_cpu import NativeMoe, load_native_moe
+from pagedllm.layers.moe_onednn import OneDnnExperts
 
 from test_fused_moe import CASES, Case, make_inputs
 
@@ -119,3 +121,35 @@ def test_without_a_compiler_it_says_why(fresh_load: None, monkeypatch: pytest.Mo
     with caplog.at_level(logging.WARNING, logger=moe_cpu.__name__):
         assert load_native_moe() is None
     assert "MoE experts run the slower plain-torch path" in caplog.text
+
+
+@pytest.fixture
+def onednn_bf16() -> None:
+    if packed_linear_choice(torch.bfloat16, torch.device("cpu")) != "onednn":
+        pytest.skip("bf16 linears take no oneDNN packing on this CPU or torch build")
+
+
+@pytest.mark.parametrize("case", [*CASES.values(), *WIDE_CASES.values()], ids=[*CASES, *WIDE_CASES])
+def test_bf16_experts_on_packed_weights_give_the_references_bits(onednn_bf16: None, case: Case) -> None:
+    hidden, w_gate_up, w_down, weights, ids = (t.bfloat16() if t.is_floating_point() else t for t in make_inputs(case))
+    experts = OneDnnExperts(w_gate_up, w_down)
+    assert torch.equal(experts(hidden, weights, ids), fused_moe_ref(hidden, w_gate_up, w_down, weights, ids))
+
+
+def test_bf16_experts_refuse_ids_and_routings_that_do_not_fit(onednn_bf16: None) -> None:
+    hidden, w_gate_up, w_down, weights, ids = (t.bfloat16() if t.is_floating_point() else t
+                                               for t in make_inputs(FLOAT32_CASES["top1-e4"]))
+    experts = OneDnnExperts(w_gate_up, w_down)
+    with pytest.raises(ValueError, match="outside \\[0, 4\\)"):
+        experts(hidden, weights, ids + 4)
+    with pytest.raises(ValueError, match="do not route hidden"):
+        experts(hidden[1:], weights, ids)
+    assert experts(hidden[:0], weights[:0], ids[:0]).shape == (0, hidden.shape[1])
+
+
+def test_the_blocks_of_a_bf16_cpu_model_run_their_experts_on_packed_weights(
+        onednn_bf16: None, tiny_model_dir: Callable[[str], Path]) -> None:
+    with LLM(str(tiny_model_dir("qwen2_moe")), dtype="bfloat16") as llm:
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2, temperature=0.0))
+        blocks = [m for m in llm.engine.model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(block._onednn is not None and block._packed is None for block in blocks)

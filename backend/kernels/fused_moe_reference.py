@@ -12,10 +12,15 @@ so float32 results match it up to the GEMM library's own rounding.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels.launch_support import FLOAT_DTYPES, INDEX_DTYPES, require_dtype, require_ndim, require_same_device
+
+# (expert, its grouped input rows [n, hidden]) -> its output rows [n, hidden], before the routing weight.
+ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 def fused_moe_ref(
@@ -27,9 +32,20 @@ def fused_moe_ref(
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = topk_ids[t, j]``."""
     validate_moe_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids)
+    inter = w_gate_up.shape[1] // 2
+
+    def expert(index: int, rows: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(rows, w_gate_up[index])
+        return torch.mm(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down[index].t())
+
+    return grouped_experts(hidden, topk_weights, topk_ids, w_gate_up.shape[0], expert)
+
+
+def grouped_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                    expert: ExpertFn) -> torch.Tensor:
+    """The routed experts' weighted sum, each chosen expert called once, on its own rows (the rest of
+    :func:`fused_moe_ref`, shared with CPU paths that compute an expert's GEMMs another way)."""
     num_tokens, top_k = topk_ids.shape
-    num_experts, double_inter, _ = w_gate_up.shape
-    inter = double_inter // 2
     out = torch.zeros_like(hidden)
     if num_tokens == 0:
         return out
@@ -41,12 +57,11 @@ def fused_moe_ref(
     grouped = hidden[tokens]
     expert_out = torch.empty_like(grouped)
     start = 0
-    for expert, count in enumerate(counts):
+    for index, count in enumerate(counts):
         if count == 0:
             continue
         stop = start + count
-        gate_up = F.linear(grouped[start:stop], w_gate_up[expert])
-        torch.mm(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down[expert].t(), out=expert_out[start:stop])
+        expert_out[start:stop] = expert(index, grouped[start:stop])
         start = stop
     # Rows are added in expert order, so each token sums its experts in ascending order (transformers' order).
     expert_out *= topk_weights.reshape(-1)[order].to(hidden.dtype)[:, None]

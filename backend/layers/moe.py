@@ -6,7 +6,8 @@ for the rule); the experts' weights are stacked per layer, gate|up as
 expert. On CUDA that is the Triton-lang fused kernel
 (:func:`pagedllm.kernels.fused_moe.fused_moe`); on the CPU in float32 a compiled
 C routine that runs every expert of a step in one call, on weights it packs once
-(:mod:`pagedllm.layers.moe_cpu`); elsewhere the kernel's plain-torch twin, which
+(:mod:`pagedllm.layers.moe_cpu`); on the CPU in bf16 each expert's GEMMs on oneDNN-packed weights
+(:mod:`pagedllm.layers.moe_onednn`); elsewhere the kernel's plain-torch twin, which
 groups the tokens by expert with one sort and runs each chosen expert's GEMMs on
 its own tokens. Qwen2-MoE adds a shared expert that every token runs, scaled by a
 sigmoid gate.
@@ -27,6 +28,7 @@ from torch import nn
 
 from pagedllm.kernels.fused_moe_reference import fused_moe_ref
 from pagedllm.layers.moe_cpu import PackedExperts, load_native_moe, pack_experts
+from pagedllm.layers.moe_onednn import OneDnnExperts
 from pagedllm.layers.moe_traits import MoeTraits
 from pagedllm.layers.tensor_parallel import ParameterSource, TensorPart
 from pagedllm.distributed.group import TensorParallel
@@ -61,6 +63,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
         self._packed: PackedExperts | None = None  # the experts packed for the compiled CPU routine, on first use
+        self._onednn: OneDnnExperts | None = None  # the bf16 experts packed for oneDNN, on first use
         self.requires_grad_(False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,17 +76,27 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        native = load_native_moe() if x.device.type == "cpu" else None
-        if native is not None and native.applies(x, self.w_gate_up):
-            if self._packed is None:  # once: the weights do not change after loading
-                self._packed = pack_experts(self.w_gate_up, self.w_down)
-            out = native.run(x, self._packed, weights, ids)
-        else:
+        out = self._cpu_experts(x, weights, ids) if x.device.type == "cpu" else None
+        if out is None:
             out = _experts(x.device)(x, self.w_gate_up, self.w_down, weights, ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             # The gate is replicated, so scaling each rank's partial sum before the reduce is exact.
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out)
+
+    def _cpu_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+        """The routed experts on weights packed once (on first use: the weights do not change after loading), by
+        the compiled routine in float32 or oneDNN in bf16; ``None`` where neither applies to ``x``."""
+        native = load_native_moe()
+        if native is not None and native.applies(x, self.w_gate_up):
+            if self._packed is None:
+                self._packed = pack_experts(self.w_gate_up, self.w_down)
+            return native.run(x, self._packed, weights, ids)
+        if OneDnnExperts.applies(x, self.w_gate_up):
+            if self._onednn is None:
+                self._onednn = OneDnnExperts(self.w_gate_up, self.w_down)
+            return self._onednn(x, weights, ids)
+        return None
 
     def checkpoint_sources(self, prefix: str, checkpoint_prefix: str) -> dict[str, ParameterSource]:
         """Where each of this block's parameters comes from (this rank's rows of it).
