@@ -25,7 +25,7 @@ at a time, which wins over gather + mask + SDPA for small chunks; bigger chunks 
 on SDPA, whose matrix products win there. Without a C compiler every decode and prefill
 runs the torch path below, which stays tested on its own.
 
-bf16 decode steps go to the same compiled routine: bf16 queries and blocks widened to float32 (exactly)
+bf16 decodes go to the same compiled routine: bf16 queries and blocks widened to float32 (exactly)
 as they are read, float32 sums, the output rounded to bf16 there, and the softmax weights rounded to
 bf16 before they weigh V, as torch's bf16 SDPA rounds them (bf16 greedy tokens are judged against
 transformers' bf16 forward, which runs that SDPA: tests/test_bf16_accuracy.py). In a step that mixes bf16
