@@ -20,7 +20,7 @@ from pagedllm.attention.cpu_attention_plan import plan_cpu_attention
 from pagedllm.attention.native_decode import load_native_decode
 from pagedllm.testing.paged_batch import PagedBatch
 
-from test_cpu_attention import CASES, head_major, make_batch, metadata_of
+from test_cpu_attention import CASES, TOLERANCE, Case, head_major, make_batch, metadata_of
 
 
 @pytest.fixture
@@ -120,6 +120,35 @@ def test_bf16_decodes_are_read_in_place_and_weighted_as_torch_bf16_attention_doe
     # Sums in float32 in another order than the reference's float64 can move a result by one bf16 step.
     torch.testing.assert_close(actual.float(), _bf16_flash_reference(batch), rtol=2**-7, atol=1e-6)
     assert not [key for key in backend.attend.__self__._buffers if key[0] in ("k", "v")]
+
+
+def test_a_bf16_step_with_prompts_runs_its_decodes_in_it_as_a_step_of_decodes_does(
+        routine: native_decode.NativeDecode) -> None:
+    # Decodes at tokens 0 and 25; a prompt's first 12 tokens at 1; 9 new tokens after 31 of context at 13 (a
+    # prefill: more than MAX_CHUNK_AS_DECODES); 3 new tokens after 17 at 22 (three decodes).
+    case = Case((1, 12, 9, 3, 1), (30, 12, 40, 20, 90), 14, 2, 64, 16, torch.bfloat16)
+    batch = make_batch(case, seed=3)
+    batch = replace(batch, k_cache=head_major(batch.k_cache), v_cache=head_major(batch.v_cache))
+    backend = torch_backend()
+    mixed = backend.attend(batch.q, batch.k_cache, batch.v_cache, backend.plan(metadata_of(batch)), batch.scale)
+    # Only the two prefills' blocks (1 + 3) are gathered: the decodes are read in place.
+    gathered = [buffer for key, buffer in backend.attend.__self__._buffers.items() if key[0] in ("k", "v")]
+    assert [buffer.numel() for buffer in gathered] == [case.num_kv_heads * 4 * case.block_size * case.head_dim] * 2
+    # The decodes' rows are those of a step of the same decodes alone, bit for bit.
+    rows = [0, 22, 23, 24, 25]
+    decodes = replace(batch, q=batch.q[rows], query_start_loc=torch.arange(6, dtype=torch.int32),
+                      seq_lens=torch.tensor([30, 18, 19, 20, 90], dtype=torch.int32),
+                      block_table=batch.block_table[[0, 3, 3, 3, 4]])
+    alone = torch_backend()
+    assert torch.equal(mixed[rows], alone.attend(decodes.q, decodes.k_cache, decodes.v_cache,
+                                                 alone.plan(metadata_of(decodes)), decodes.scale))
+    # The prompts' rows are torch's SDPA over their gathered blocks, as the torch path computes them.
+    torch_only = torch_backend(native=False)
+    expected = torch_only.attend(batch.q, batch.k_cache, batch.v_cache, torch_only.plan(metadata_of(batch)),
+                                 batch.scale)
+    assert torch.equal(mixed[1:22], expected[1:22])
+    torch.testing.assert_close(mixed.float(), unified_attention_ref(*batch.args()).float(),
+                               atol=TOLERANCE[torch.bfloat16], rtol=0)
 
 
 def _bf16_flash_reference(batch: PagedBatch) -> torch.Tensor:

@@ -79,7 +79,7 @@ BACKEND_NAMES = ("torch", "triton", "torch-reference")
 def torch_backend(native: bool = True) -> AttentionBackend:
     """The production CPU backend; each one owns its own reusable gather buffers.
 
-    ``native`` runs float32 decodes, and the prefill chunks it is faster for, in the compiled
+    ``native`` runs float32 and bf16 decodes, and the float32 prefill chunks it is faster for, in the compiled
     routines when they can be built (:mod:`pagedllm.attention.native_decode`,
     :mod:`pagedllm.attention.native_prefill`); ``False`` keeps every step in plain torch.
     """

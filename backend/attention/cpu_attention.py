@@ -25,11 +25,13 @@ at a time, which wins over gather + mask + SDPA for small chunks; bigger chunks 
 on SDPA, whose matrix products win there. Without a C compiler every decode and prefill
 runs the torch path below, which stays tested on its own.
 
-bf16 decode steps go to the same compiled routine: bf16 queries and blocks widened to float32 (exactly)
+bf16 decodes go to the same compiled routine: bf16 queries and blocks widened to float32 (exactly)
 as they are read, float32 sums, the output rounded to bf16 there, and the softmax weights rounded to
 bf16 before they weigh V, as torch's bf16 SDPA rounds them (bf16 greedy tokens are judged against
-transformers' bf16 forward, which runs that SDPA: tests/test_bf16_accuracy.py). Steps that mix bf16
-prefills and decodes stay on the torch path. In a decode-only step, :meth:`CpuPagedAttention.attend_qkv` writes
+transformers' bf16 forward, which runs that SDPA: tests/test_bf16_accuracy.py). In a step that mixes bf16
+prefills and decodes, the decodes (and the short chunks the plan turns into decodes) take the same routine and
+only the prefill chunks gather their blocks for SDPA: a decode is then computed the same way whether or not a
+prefill shares its step. In a decode-only step, :meth:`CpuPagedAttention.attend_qkv` writes
 and attends straight from each layer's fused q|k|v rows, with the routines' arguments bound once for the step
 (:class:`pagedllm.attention.native_decode.BoundDecodes`).
 
@@ -49,7 +51,7 @@ import torch.nn.functional as F
 from pagedllm.kernels.reference import FP8_DTYPES, quantize_kv_ref, write_kv_ref
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.platform.cpu_memory import advise_huge_pages
-from pagedllm.attention.cpu_attention_plan import CpuAttentionPlan, DecodeBatch, SharedPrefix
+from pagedllm.attention.cpu_attention_plan import CpuAttentionPlan, DecodeBatch, PrefillChunk, SharedPrefix
 from pagedllm.attention.native_decode import BoundDecodes, NativeDecode
 from pagedllm.attention.native_prefill import NativePrefill
 
@@ -99,11 +101,9 @@ def _native_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
             and k_cache.dtype in (torch.float32, *FP8_DTYPES) and _is_head_major(k_cache) and _is_head_major(v_cache))
 
 
-def _bf16_decodes_fit(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      metadata: AttentionMetadata) -> bool:
-    """A bf16 step of decodes only, over head-major bf16 caches: the compiled decode routine reads them."""
-    return (q.device.type == "cpu" and metadata.max_query_len == 1
-            and q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+def _bf16_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """bf16 queries over head-major bf16 caches: the compiled decode routine reads them for the step's decodes."""
+    return (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
             and _is_head_major(k_cache) and _is_head_major(v_cache))
 
 
@@ -163,8 +163,8 @@ def _bf16_rows_fit(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 class CpuPagedAttention:
     """Runs a planned step's attention; owns the gather and scratch buffers reused across layers and steps.
 
-    With ``native`` (:func:`pagedllm.attention.native_decode.load_native_decode`), float32 decodes, and bf16
-    steps of decodes only, run in the compiled routine, which reads their blocks in place; with ``native_prefill``
+    With ``native`` (:func:`pagedllm.attention.native_decode.load_native_decode`), float32 and bf16 decodes
+    run in the compiled routine, which reads their blocks in place; with ``native_prefill``
     (:func:`pagedllm.attention.native_prefill.load_native_prefill`), so do the float32 prefill
     chunks the plan's crossover rule gives it. Everything else, and everything when both
     are ``None``, runs in torch.
@@ -207,8 +207,8 @@ class CpuPagedAttention:
                              "step and pass its result to every layer")
         num_tokens, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        if self._native is not None and _bf16_decodes_fit(q, k_cache, v_cache, metadata):
-            return self._attend_bf16_decodes(self._native, q, k_cache, v_cache, plan, scale)
+        if self._native is not None and _bf16_fits(q, k_cache, v_cache):
+            return self._attend_bf16(self._native, q, k_cache, v_cache, plan, scale)
         fits = _native_fits(q, k_cache, v_cache)
         native = self._native if fits else None
         native_prefill = self._native_prefill if fits and head_dim % 16 == 0 else None
@@ -245,14 +245,7 @@ class CpuPagedAttention:
                 lse.index_copy_(0, batch.tokens, batch_lse.reshape(batch.num_seqs, num_heads).float())
         for prefix in layout.shared_prefixes:
             self._merge_shared_prefix(q, keys, values, prefix, scale, out, lse)
-        for chunk in layout.prefills:
-            rows = slice(chunk.first_block, chunk.first_block + chunk.num_blocks)
-            k = keys[:, rows].reshape(1, num_kv_heads, -1, head_dim)[:, :, : chunk.seq_len]
-            v = values[:, rows].reshape(1, num_kv_heads, -1, head_dim)[:, :, : chunk.seq_len]
-            queries = q[chunk.start : chunk.start + chunk.query_len].transpose(0, 1)[None]
-            attended = F.scaled_dot_product_attention(queries, k, v, attn_mask=chunk.mask, scale=scale,
-                                                      is_causal=chunk.mask is None, enable_gqa=group > 1)
-            out[chunk.start : chunk.start + chunk.query_len] = attended[0].transpose(0, 1)
+        self._prefills(q, keys, values, layout.prefills, scale, out)
         return out
 
     def attend_qkv(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -274,25 +267,54 @@ class CpuPagedAttention:
                 or not qkv.is_contiguous() or not (k_cache.dtype == v_cache.dtype == qkv.dtype)
                 or not (_is_head_major(k_cache) and _is_head_major(v_cache))):
             return None
-        layout = plan.layout(k_cache.shape[1], torch.float32, True)
+        layout = plan.layout(k_cache.shape[1], qkv.dtype, True)  # the layout attend takes in a bf16 step too
         decodes = layout.native_decodes
         if decodes is None or len(decodes.rows) != qkv.shape[0]:  # some tokens are prefills: the routine is not theirs
             return None
         bound = self._native.bind(decodes, metadata.slot_mapping, qkv, k_cache, num_heads, scale)
         return bound if bound.fits(qkv, k_cache, v_cache, scale) else None
 
-    def _attend_bf16_decodes(self, native: NativeDecode, q: torch.Tensor, k_cache: torch.Tensor,
-                             v_cache: torch.Tensor, plan: CpuAttentionPlan, scale: float) -> torch.Tensor:
-        """A bf16 decode step in the compiled routine: the queries widened to float32 (exact), the bf16 blocks read
-        in place and widened as they are read, sums in float32, the output rounded to bf16 once, as torch's bf16
-        SDPA does. The routine reads and writes the bf16 rows itself, so no float32 copy of them is made here."""
-        num_tokens, num_heads, _ = q.shape
-        layout = plan.layout(k_cache.shape[1], torch.float32, True)
+    def _attend_bf16(self, native: NativeDecode, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     plan: CpuAttentionPlan, scale: float) -> torch.Tensor:
+        """A bf16 step: its decodes in the compiled routine, which widens the bf16 queries and blocks to float32
+        (exact) as it reads them in place, sums in float32 and rounds each output to bf16 once, as torch's bf16
+        SDPA does, reading and writing the bf16 rows itself (no float32 copy of them is made here); its prefill
+        chunks, if any, in SDPA over their gathered blocks. A step of decodes gathers nothing."""
+        num_tokens, num_heads, head_dim = q.shape
+        layout = plan.layout(k_cache.shape[1], torch.bfloat16, True)
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-        lse = self._reused(("lse", torch.float32, q.device, ()), num_tokens * num_heads).view(num_tokens, num_heads)
-        if layout.native_decodes is not None:  # None only for a step without tokens
-            native(q.contiguous(), _head_major(k_cache), _head_major(v_cache), layout.native_decodes, scale, out, lse)
+        if layout.native_decodes is not None:  # None for a step of prefills only
+            lse = self._reused(("lse", torch.float32, q.device, ()), num_tokens * num_heads).view(num_tokens,
+                                                                                                  num_heads)
+            # The routine reads query rows at any row stride (q is usually a view of the fused q|k|v rows).
+            rows = q if q.stride()[1:] == (head_dim, 1) else q.contiguous()
+            native(rows, _head_major(k_cache), _head_major(v_cache), layout.native_decodes, scale, out, lse)
+        if layout.prefills:
+            keys = self._gather("k", k_cache, layout.block_ids, None, q.dtype)
+            values = self._gather("v", v_cache, layout.block_ids, None, q.dtype)
+            self._prefills(q, keys, values, layout.prefills, scale, out)
         return out
+
+    @staticmethod
+    def _prefills(
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        keys: torch.Tensor,  # [num_kv_heads, rows, block_size, head_dim]
+        values: torch.Tensor,
+        chunks: tuple[PrefillChunk, ...],
+        scale: float,
+        out: torch.Tensor,  # [num_tokens, num_heads, head_dim]: each chunk's rows are written
+    ) -> None:
+        """Each prefill chunk's causal SDPA over its own gathered context."""
+        num_kv_heads, _, _, head_dim = keys.shape
+        group = q.shape[1] // num_kv_heads
+        for chunk in chunks:
+            rows = slice(chunk.first_block, chunk.first_block + chunk.num_blocks)
+            k = keys[:, rows].reshape(1, num_kv_heads, -1, head_dim)[:, :, : chunk.seq_len]
+            v = values[:, rows].reshape(1, num_kv_heads, -1, head_dim)[:, :, : chunk.seq_len]
+            queries = q[chunk.start : chunk.start + chunk.query_len].transpose(0, 1)[None]
+            attended = F.scaled_dot_product_attention(queries, k, v, attn_mask=chunk.mask, scale=scale,
+                                                      is_causal=chunk.mask is None, enable_gqa=group > 1)
+            out[chunk.start : chunk.start + chunk.query_len] = attended[0].transpose(0, 1)
 
     @staticmethod
     def _decode(
