@@ -153,3 +153,5 @@ def test_the_blocks_of_a_bf16_cpu_model_run_their_experts_on_packed_weights(
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2, temperature=0.0))
         blocks = [m for m in llm.engine.model.modules() if isinstance(m, SparseMoeBlock)]
     assert blocks and all(block._onednn is not None and block._packed is None for block in blocks)
+    # The packed experts are the only copy left.
+    assert all(block.w_gate_up.numel() == block.w_down.numel() == 0 for block in blocks)

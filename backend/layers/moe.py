@@ -92,9 +92,13 @@ class SparseMoeBlock(nn.Module):
             if self._packed is None:
                 self._packed = pack_experts(self.w_gate_up, self.w_down)
             return native.run(x, self._packed, weights, ids)
-        if OneDnnExperts.applies(x, self.w_gate_up):
+        if self._onednn is not None or OneDnnExperts.applies(x, self.w_gate_up):
             if self._onednn is None:
                 self._onednn = OneDnnExperts(self.w_gate_up, self.w_down)
+                # The packed experts replace the parameters' data: kept beside them, a second copy of every
+                # expert would double a large bf16 MoE model's memory at its first request.
+                for parameter in (self.w_gate_up, self.w_down):
+                    parameter.data = parameter.data.new_empty(0)
             return self._onednn(x, weights, ids)
         return None
 

@@ -5,8 +5,8 @@ reference (:func:`pagedllm.kernels.fused_moe_reference.fused_moe_ref`), whose bf
 re-lay out an expert's weight on every call, as unpacked dense linears do (:mod:`pagedllm.layers.cpu_linear`).
 Here every expert's gate|up and down weights are packed once for oneDNN, as the dense layers' are, and the
 reference's grouping, activation and weighted sum run around them unchanged: the same bits as the reference
-(``tests/test_moe_cpu.py``), since a packed bf16 product equals ``F.linear``'s. The packed weights are a second
-copy of the experts beside the block's parameters, as the compiled float32 routine's are.
+(``tests/test_moe_cpu.py``), since a packed bf16 product equals ``F.linear``'s. The block then empties its
+expert parameters (:meth:`pagedllm.layers.moe.SparseMoeBlock.forward`), so the packed weights are the only copy.
 """
 from __future__ import annotations
 
