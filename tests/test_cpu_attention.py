@@ -186,7 +186,10 @@ def test_decodes_sharing_a_prefix_attend_to_it_once_and_match_the_reference(dtyp
     if in_place:
         # The compiled routine reads the shared blocks in place, once per sharer: no cascade.
         assert not layout.shared_prefixes and layout.native_decodes is not None
-        assert layout.native_decodes.lens.tolist() == [97, 120, 200, 113, 70, 150]
+        decodes = layout.native_decodes
+        by_row = dict(zip(decodes.rows.tolist(), decodes.lens.tolist()))
+        assert [by_row[row] for row in sorted(by_row)] == [97, 120, 200, 113, 70, 150]
+        assert decodes.lens.tolist() == [by_row[row] for row in decodes.rows.tolist()]
     else:
         # Only 0-3 form a group (4 and 5 share one block, and 5 is not decoding); the shared
         # part stops before the shortest member's newest token.
@@ -195,6 +198,28 @@ def test_decodes_sharing_a_prefix_attend_to_it_once_and_match_the_reference(dtyp
     actual = backend.attend(batch.q, batch.k_cache, batch.v_cache, planned, batch.scale)
     expected = unified_attention_ref(*batch.args())
     torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_the_compiled_routine_attends_the_sharers_of_a_prefix_one_after_another() -> None:
+    """Two cached prefixes whose sharers arrived interleaved (A B A B A B): the routine's order groups each
+    prefix's sharers, and the result is still every query row's own."""
+    case = Case((1,) * 6, (80, 90, 100, 110, 120, 130), 8, 2, 64, 16, torch.float32)
+    batch = make_batch(case, seed=5)
+    table = batch.block_table.clone()
+    table[2::2, :4] = table[0, :4]
+    table[3::2, :4] = table[1, :4]
+    batch = replace(batch, block_table=table, k_cache=head_major(batch.k_cache), v_cache=head_major(batch.v_cache))
+    backend = torch_backend(native=True)
+    planned = backend.plan(metadata_of(batch))
+    if load_native_decode() is None:
+        pytest.skip("the compiled decode routine cannot be built here")
+    decodes = planned.plan.layout(16, torch.float32, True).native_decodes
+    assert decodes is not None
+    firsts = decodes.block_table[:, 0].tolist()
+    assert firsts.count(firsts[0]) == 3 and firsts[:3] == [firsts[0]] * 3 and firsts[3:] == [firsts[3]] * 3
+    assert sorted(decodes.rows.tolist()) == list(range(6))
+    actual = backend.attend(batch.q, batch.k_cache, batch.v_cache, planned, batch.scale)
+    torch.testing.assert_close(actual, unified_attention_ref(*batch.args()), atol=TOLERANCE[torch.float32], rtol=0)
 
 
 def test_the_log_sum_exp_off_cpu_is_the_flash_kernels() -> None:

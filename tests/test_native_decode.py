@@ -80,10 +80,12 @@ def test_decodes_and_short_chunks_go_to_it_unbatched_and_only_prompts_are_gather
     batch = make_batch(case)
     layout = torch_backend().plan(metadata_of(batch)).plan.layout(case.block_size, case.dtype, True)
     assert layout.native_decodes is not None and not layout.decodes
-    # Each of the 6 is a decode over the context up to itself.
-    assert layout.native_decodes.rows.tolist() == [0, 11, 1, 2, 3, 4, 5, 6]
-    assert layout.native_decodes.lens.tolist() == [case.seq_lens[0], case.seq_lens[3], 17, 18, 19, 20, 21, 22]
-    assert layout.native_decodes.block_table.tolist()[2:] == [batch.block_table[1].tolist()] * 6
+    # Each of the 6 is a decode over the context up to itself (in the routine's order, by query row here).
+    decodes = layout.native_decodes
+    by_row = sorted(zip(decodes.rows.tolist(), decodes.lens.tolist(), decodes.block_table.tolist()))
+    assert [row for row, _, _ in by_row] == [0, 1, 2, 3, 4, 5, 6, 11]
+    assert [length for _, length, _ in by_row] == [case.seq_lens[0], 17, 18, 19, 20, 21, 22, case.seq_lens[3]]
+    assert [table for row, _, table in by_row if 1 <= row <= 6] == [batch.block_table[1].tolist()] * 6
     assert [chunk.start for chunk in layout.prefills] == [7]
     assert layout.block_ids.numel() == -(-case.seq_lens[2] // case.block_size)
 

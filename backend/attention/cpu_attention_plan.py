@@ -263,7 +263,12 @@ def _native_decodes(plan: CpuAttentionPlan, seqs: np.ndarray, chunks: np.ndarray
         rows = np.concatenate([rows, plan.starts[owner] + offset])
         table = np.concatenate([table, plan.block_table[owner]])
         lens = np.concatenate([lens, plan.seq_lens[owner] - np.repeat(query_lens, query_lens) + offset + 1])
-    rows, table, lens = np.ascontiguousarray(rows), np.ascontiguousarray(table), np.ascontiguousarray(lens)
+    # Decodes behind the same cached prefix run one after another: the routine attends (sequence, KV head) by
+    # (sequence, KV head) in this order, so the prefix's blocks, read by the first, are still in the core's cache
+    # for the rest. In arrival order, several prefixes take turns and evict each other. Each row's result goes to
+    # its own query row, so the order changes no value (measured: RESULTS.md, "Decodes grouped by prefix").
+    order = np.argsort(table[:, 0], kind="stable")
+    rows, table, lens = rows[order], table[order], lens[order]
     max_len = int(lens.max())
     if -(-max_len // block_size) > table.shape[1]:
         raise ValueError(f"a context of {max_len} tokens runs past the end of its block-table row "
