@@ -4,6 +4,7 @@ and 8-bit caches; and how the plan splits chunks between it and SDPA."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 import re
 import shutil
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from pagedllm.kernels import unified_attention_ref
 from pagedllm.kernels.reference import FP8_DTYPES, quantize_kv_ref
 from pagedllm.attention import cpu_attention_plan, native_decode
 from pagedllm.attention.backends import torch_backend
-from pagedllm.attention.cpu_attention_plan import native_prefill_wins
+from pagedllm.attention.cpu_attention_plan import NativePrefills, native_prefill_wins
 from pagedllm.attention.native_prefill import load_native_prefill
 
 from test_cpu_attention import Case, head_major, make_batch, metadata_of
@@ -36,6 +37,12 @@ CASES = {
     # block 16 with a query tile (64 rows) that is not a whole number of tokens (GQA 3)
     "chunked-gqa3-d80-b16": Case((23, 5), (88, 5), 6, 2, 80, 16),
 }
+
+
+def in_row_order(prefills: NativePrefills) -> list[tuple[int, int]]:
+    """The chunks' (query_len, seq_len) in the batch's order (the routine takes them grouped by prefix)."""
+    chunks = zip(prefills.starts.tolist(), prefills.query_lens.tolist(), prefills.seq_lens.tolist())
+    return [(query_len, seq_len) for _, query_len, seq_len in sorted(chunks)]
 
 
 @pytest.fixture
@@ -57,9 +64,30 @@ def test_compiled_prefill_matches_the_reference(always_compiled: None, case: Cas
     # A few new tokens after earlier context run as decodes (cpu_attention_plan.MAX_CHUNK_AS_DECODES).
     chunks = [n for n, seq_len in zip(case.query_lens, case.seq_lens)
               if n > cpu_attention_plan.MAX_CHUNK_AS_DECODES or 1 < n == seq_len]
-    assert layout.native_prefills.query_lens.tolist() == chunks
+    assert [query_len for query_len, _ in in_row_order(layout.native_prefills)] == chunks
     actual = backend.attend(batch.q, k_cache, v_cache, planned, batch.scale)
     expected = unified_attention_ref(*batch.args())
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
+
+
+def test_chunks_behind_the_same_prefix_are_taken_one_after_another(always_compiled: None) -> None:
+    """Chunks after two cached prefixes, arrived interleaved (A B A B): the routine takes each prefix's chunks
+    together, and every chunk's rows are still its own."""
+    case = Case((20, 21, 22, 23), (100, 101, 102, 103), 4, 2, 64, 16)
+    batch = make_batch(case, seed=11)
+    table = batch.block_table.clone()
+    table[2, :4] = table[0, :4]
+    table[3, :4] = table[1, :4]
+    k_cache, v_cache = head_major(batch.k_cache), head_major(batch.v_cache)
+    backend = torch_backend()
+    planned = backend.plan(metadata_of(replace(batch, block_table=table)))
+    prefills = planned.plan.layout(16, torch.float32, True, True).native_prefills
+    assert prefills is not None
+    firsts = prefills.block_table[:, 0].tolist()
+    assert firsts[0] == firsts[1] and firsts[2] == firsts[3] and firsts[0] != firsts[2]
+    assert in_row_order(prefills) == list(zip(case.query_lens, case.seq_lens))
+    actual = backend.attend(batch.q, k_cache, v_cache, planned, batch.scale)
+    expected = unified_attention_ref(*replace(batch, block_table=table).args())
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
 
 
@@ -99,7 +127,7 @@ def test_the_plan_splits_chunks_by_the_crossover_rule() -> None:
     native = [(q, s) for q, s in zip(case.query_lens, case.seq_lens) if q > 1 and native_prefill_wins(q, s)]
     assert native == [(32, 500), (5, 5)] and not native_prefill_wins(1024, 1024)
     assert layout.native_prefills is not None
-    assert list(zip(layout.native_prefills.query_lens.tolist(), layout.native_prefills.seq_lens.tolist())) == native
+    assert in_row_order(layout.native_prefills) == native
     assert [(p.query_len, p.seq_len) for p in layout.prefills] == [(1024, 1024)]
     # Without the compiled routine every chunk is SDPA's.
     assert len(plan.layout(16, torch.float32, True, False).prefills) == 3
@@ -164,7 +192,7 @@ def test_a_wide_build_takes_every_chunk() -> None:
     plan = torch_backend().plan(metadata_of(make_batch(case))).plan
     layout = plan.layout(16, torch.float32, True, True, wide_prefill=True)
     assert not layout.prefills and layout.native_prefills is not None
-    assert layout.native_prefills.query_lens.tolist() == [32, 1024, 5]
+    assert [query_len for query_len, _ in in_row_order(layout.native_prefills)] == [32, 1024, 5]
     assert native_prefill_wins(2048, 4096, wide=True) and not native_prefill_wins(2048, 4096)
 
 

@@ -263,11 +263,7 @@ def _native_decodes(plan: CpuAttentionPlan, seqs: np.ndarray, chunks: np.ndarray
         rows = np.concatenate([rows, plan.starts[owner] + offset])
         table = np.concatenate([table, plan.block_table[owner]])
         lens = np.concatenate([lens, plan.seq_lens[owner] - np.repeat(query_lens, query_lens) + offset + 1])
-    # Decodes behind the same cached prefix run one after another: the routine attends (sequence, KV head) by
-    # (sequence, KV head) in this order, so the prefix's blocks, read by the first, are still in the core's cache
-    # for the rest. In arrival order, several prefixes take turns and evict each other. Each row's result goes to
-    # its own query row, so the order changes no value (measured: RESULTS.md, "Decodes grouped by prefix").
-    order = np.argsort(table[:, 0], kind="stable")
+    order = _by_first_block(table)
     rows, table, lens = rows[order], table[order], lens[order]
     max_len = int(lens.max())
     if -(-max_len // block_size) > table.shape[1]:
@@ -299,6 +295,7 @@ def native_prefill_wins(query_len: int, seq_len: int, wide: bool = False) -> boo
 def native_prefills(plan: CpuAttentionPlan, seqs: np.ndarray, block_size: int) -> NativePrefills:
     """The chunks ``seqs`` (sequence indices) for the compiled routine, whatever :func:`native_prefill_wins`
     says (the benchmark times both sides); ``ValueError`` for a context longer than its table row."""
+    seqs = seqs[_by_first_block(plan.block_table[seqs])]
     table = np.ascontiguousarray(plan.block_table[seqs])
     starts = np.ascontiguousarray(plan.starts[seqs])
     query_lens = np.ascontiguousarray(plan.starts[seqs + 1] - plan.starts[seqs])
@@ -308,6 +305,18 @@ def native_prefills(plan: CpuAttentionPlan, seqs: np.ndarray, block_size: int) -
                          f"({table.shape[1]} blocks of {block_size})")
     return NativePrefills(starts, query_lens, lens, table, int(table.min()), int(table.max()),
                           (starts.ctypes.data, query_lens.ctypes.data, lens.ctypes.data, table.ctypes.data))
+
+
+def _by_first_block(table: np.ndarray) -> np.ndarray:
+    """The order in which the compiled routines take the rows of ``table``: those behind the same cached prefix
+    one after another.
+
+    Both routines attend (sequence, KV head) items in the order they are given, so a prefix's blocks, read by
+    its first sharer, are still in the core's cache for the next. In arrival order, the sharers of several
+    prefixes take turns and evict each other's blocks. Each sequence's result goes to its own query rows, so
+    the order changes no value (measured: RESULTS.md, "Decodes and prefill chunks grouped by prefix").
+    """
+    return np.argsort(table[:, 0], kind="stable")
 
 
 def _shared_prefixes(seqs: np.ndarray, block_table: np.ndarray, seq_lens: np.ndarray,
