@@ -1,0 +1,397 @@
+/* bf16 prefill attention on AMX tiles, reading the paged bf16 KV cache where it lies.
+ *
+ * Built on first use by pagedllm/attention/native_prefill_bf16.py (cc -O3 -march=native) and called through
+ * ctypes, beside paged_prefill.c (the float32 routine: same head-major caches, same work items, same causal
+ * rule). Each sequence's chunk of query_len new tokens sits at the end of its seq_len tokens: query token i
+ * sees every key at or before its own position.
+ *
+ * An item is (sequence, KV head, query tile): up to ROWS_PER_TILE query rows, the tile's tokens times the KV
+ * head's group of query heads (GQA packed, every K and V row read once for the group). Both products run on
+ * AMX tiles with float32 sums, in the transposed orientation that lets the cache be read in place:
+ *   scores^T [keys][rows] = K [keys][head_dim] . Q^T: K rows are the A tile straight from the cache block, the
+ *     queries are packed once per item into the B tile's pair-interleaved ("VNNI") layout;
+ *   out^T [head_dim][rows] += V^T . P^T: V^T is packed once per (sequence, KV head) for all its query tiles,
+ *     and P^T's VNNI layout is two consecutive key rows of the scores, interleaved, which the softmax writes.
+ * The softmax is flash attention's online one, run on vectors of 16 rows (the columns of scores^T), in float32:
+ * scores are scaled in float32, the probabilities summed in float32 and rounded to bf16 before they weigh V,
+ * and each output rounded to bf16 once, as torch's bf16 SDPA does.
+ *
+ * Linux hands out AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM), which
+ * pagedllm_prefill_bf16_ready makes once per process; a build without AMX (another CPU) reports 0 there and
+ * the caller keeps torch's SDPA.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define HAVE_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#define ROWS_PER_TILE 128 /* query rows per item; a multiple of 32 (two 16-row tile columns) */
+#define KEYS_PER_TILE 512  /* keys per online-softmax step; a multiple of 32 (one bf16 tile's depth) */
+
+static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+#ifdef HAVE_AMX
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Palette 1: every tile used is 16 rows of 64 bytes (16 float32 or 32 bf16). Tiles 0-3 hold sums, 4-5 A
+ * operands, 6-7 B operands: a 2x2 block, each A and B tile feeding two products. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config_t;
+
+static void configure_tiles(void) {
+    tile_config_t config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int i = 0; i < 8; ++i) {
+        config.colsb[i] = 64;
+        config.rows[i] = 16;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* exp(x) on 16 lanes the way torch's bf16 SDPA computes its probabilities (Vectorized::fexp_u20, used where
+ * the probabilities are stored as bf16): 2^(x log2 e) with the fraction's correction a cubic in the fraction,
+ * assembled directly as float bits by a truncating conversion. It is coarser than a library exp, and that is
+ * the point: bf16 is judged against transformers' bf16 forward, which runs that SDPA
+ * (tests/test_bf16_accuracy.py), and on its tiny random checkpoints top-1 logits nearly tie, so probabilities
+ * that round to other bf16 values flipped several percent of the positions where the same recipe flips none. */
+static inline __m512 exp16(__m512 x) {
+    const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365478515625f), _CMP_LT_OS);
+    const __mmask16 overflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283935546875f), _CMP_GT_OS);
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269502162933349609375f));
+    const __m512 f = _mm512_sub_ps(t, _mm512_floor_ps(t));
+    __m512 c = _mm512_fmadd_ps(f, _mm512_set1_ps(-0.079204240219773236f), _mm512_set1_ps(-0.22433836478672356f));
+    c = _mm512_fmadd_ps(f, c, _mm512_set1_ps(0.30354260500649682f));
+    c = _mm512_fmadd_ps(f, c, _mm512_set1_ps(0.00010703434948458272f));
+    const __m512 bits = _mm512_fmadd_ps(_mm512_set1_ps(8388608.0f), _mm512_sub_ps(t, c),
+                                        _mm512_set1_ps(8388608.0f * 127.0f));
+    __m512i result = _mm512_cvttps_epi32(bits);
+    result = _mm512_mask_mov_epi32(result, underflow, _mm512_setzero_si512());
+    result = _mm512_mask_mov_epi32(result, overflow, _mm512_set1_epi32(0x7f800000));
+    return _mm512_castsi512_ps(result);
+}
+
+/* expf on 16 lanes: torch's SDPA takes the library exp for the keys past the last whole 16 of a key block. */
+static inline __m512 expf16(__m512 x) {
+    float lanes[16];
+    _mm512_storeu_ps(lanes, x);
+    for (int i = 0; i < 16; ++i) lanes[i] = expf(lanes[i]);
+    return _mm512_loadu_ps(lanes);
+}
+
+/* float32 to bf16, rounding to nearest even (NaN kept a NaN). */
+static inline uint16_t to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* One thread's scratch for an item of rp (padded) rows: the queries as B tiles [head_dim / 2][rp] of bf16
+ * pairs, the scores^T [KEYS_PER_TILE][rp], the probabilities^T as B tiles [KEYS_PER_TILE / 2][rp] of bf16
+ * pairs, the sums out^T [head_dim][rp], per row the running max, sum and position. */
+typedef struct {
+    uint32_t *q_t, *p_t;
+    float *s_t, *acc_t, *max, *sum;
+    int32_t* positions;
+} scratch_t;
+
+/* scores^T for the key tile's groups of 16 keys (group g at keys[g], nk_groups of them) against all rp rows. */
+static void tile_scores(const uint16_t* const* keys, int64_t groups, int64_t head_dim, const uint32_t* q_t,
+                        int64_t rp, float* s_t) {
+    const int64_t k_stride = head_dim * 2, q_stride = rp * 4, s_stride = rp * 4;
+    for (int64_t g = 0; g < groups; g += 2) {
+        const int second = g + 1 < groups;
+        for (int64_t c = 0; c < rp; c += 32) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_zero(5);
+            for (int64_t d = 0; d < head_dim; d += 32) {
+                _tile_loadd(4, keys[g] + d, k_stride);
+                if (second) _tile_loadd(5, keys[g + 1] + d, k_stride);
+                _tile_loadd(6, q_t + (d / 2) * rp + c, q_stride);
+                _tile_loadd(7, q_t + (d / 2) * rp + c + 16, q_stride);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, s_t + g * 16 * rp + c, s_stride);
+            _tile_stored(1, s_t + g * 16 * rp + c + 16, s_stride);
+            if (second) {
+                _tile_stored(2, s_t + (g + 1) * 16 * rp + c, s_stride);
+                _tile_stored(3, s_t + (g + 1) * 16 * rp + c + 16, s_stride);
+            }
+        }
+    }
+}
+
+/* out^T += V^T . P^T over the key tile's first `depth` keys (a multiple of 32); v_t holds V^T with row
+ * stride ld, already offset to the tile's first key. */
+static void tile_values(const uint16_t* v_t, int64_t ld, int64_t depth, int64_t head_dim, const uint32_t* p_t,
+                        int64_t rp, float* acc_t) {
+    const int64_t a_stride = rp * 4, v_stride = ld * 2, p_stride = rp * 4;
+    for (int64_t c = 0; c < rp; c += 32)
+        for (int64_t d = 0; d < head_dim; d += 32) {
+            float* acc = acc_t + d * rp + c;
+            _tile_loadd(0, acc, a_stride);
+            _tile_loadd(1, acc + 16, a_stride);
+            _tile_loadd(2, acc + 16 * rp, a_stride);
+            _tile_loadd(3, acc + 16 * rp + 16, a_stride);
+            for (int64_t t = 0; t < depth; t += 32) {
+                _tile_loadd(4, v_t + d * ld + t, v_stride);
+                _tile_loadd(5, v_t + (d + 16) * ld + t, v_stride);
+                _tile_loadd(6, p_t + (t / 2) * rp + c, p_stride);
+                _tile_loadd(7, p_t + (t / 2) * rp + c + 16, p_stride);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, acc, a_stride);
+            _tile_stored(1, acc + 16, a_stride);
+            _tile_stored(2, acc + 16 * rp, a_stride);
+            _tile_stored(3, acc + 16 * rp + 16, a_stride);
+        }
+}
+
+/* The probabilities' row sums, added as torch's SDPA adds them (its order, so that the same probabilities sum
+ * to the same float): per row, 32 running sums of the keys congruent mod 32 up to the block's last whole 16, the
+ * pairs j and j + 16 added, those 16 folded by halves (8, 4, 2, 1 apart), then the library-exp keys one by one.
+ * partial[j] holds running sum j for 16 rows. */
+static inline __m512 torch_order_sum(const __m512* partial, const __m512* tail, int64_t tail_keys) {
+    __m512 v[16];
+    for (int j = 0; j < 16; ++j) v[j] = _mm512_add_ps(partial[j], partial[j + 16]);
+    for (int half = 8; half >= 1; half /= 2)
+        for (int j = 0; j < half; ++j) v[j] = _mm512_add_ps(v[j], v[j + half]);
+    __m512 sum = v[0];
+    for (int64_t t = 0; t < tail_keys; ++t) sum = _mm512_add_ps(sum, tail[t]);
+    return sum;
+}
+
+/* The online softmax over a key tile of `keys` keys from position `start`, for every vector of 16 rows: the
+ * probabilities^T written as bf16 pairs up to `depth` keys (zero where a row does not see the key), the sums
+ * and the output's running rescaled. Keys from the tile's `library_from` on take expf (see expf16). */
+static void tile_softmax(const scratch_t* w, int64_t rp, int64_t head_dim, int64_t start, int64_t keys,
+                         int64_t depth, int64_t library_from, float scale) {
+    /* interleaves two converted rows [a0..a15, b0..b15] into [a0, b0, a1, b1, ...] */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                           22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512 scales = _mm512_set1_ps(scale);
+    __m512 partial[32], tail[16];
+    for (int64_t v = 0; v < rp; v += 16) {
+        const __m512i row_pos = _mm512_loadu_si512(w->positions + v);
+        const __m512 old_max = _mm512_loadu_ps(w->max + v);
+        __m512 tile_max = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < keys; ++t) {
+            const __mmask16 seen = _mm512_cmpge_epi32_mask(row_pos, _mm512_set1_epi32((int32_t)(start + t)));
+            tile_max = _mm512_mask_max_ps(tile_max, seen, tile_max, _mm512_loadu_ps(w->s_t + t * rp + v));
+        }
+        const __m512 new_max = _mm512_max_ps(old_max, _mm512_mul_ps(tile_max, scales));
+        for (int j = 0; j < 32; ++j) partial[j] = _mm512_setzero_ps();
+        int64_t tail_keys = 0;
+        for (int64_t t = 0; t < depth; t += 2) {
+            __m512 p[2];
+            for (int i = 0; i < 2; ++i) {
+                const __mmask16 seen =
+                    t + i < keys ? _mm512_cmpge_epi32_mask(row_pos, _mm512_set1_epi32((int32_t)(start + t + i))) : 0;
+                const __m512 s = _mm512_maskz_loadu_ps(seen, w->s_t + (t + i) * rp + v);
+                const __m512 x = _mm512_sub_ps(_mm512_mul_ps(s, scales), new_max);
+                if (t + i < library_from) {
+                    p[i] = _mm512_maskz_mov_ps(seen, exp16(x));
+                    partial[(t + i) & 31] = _mm512_add_ps(partial[(t + i) & 31], p[i]);
+                } else {
+                    p[i] = _mm512_maskz_mov_ps(seen, expf16(x));
+                    if (t + i < keys) tail[tail_keys++] = p[i];
+                }
+            }
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]);
+            _mm512_storeu_si512(w->p_t + (t / 2) * rp + v, _mm512_permutexvar_epi16(pairs, both));
+        }
+        const __m512 sum = torch_order_sum(partial, tail, tail_keys);
+        /* every row sees key 0 in the first tile, so old_max is -inf only there, where nothing is to rescale */
+        float olds[16], news[16], factors[16];
+        _mm512_storeu_ps(olds, old_max);
+        _mm512_storeu_ps(news, new_max);
+        for (int i = 0; i < 16; ++i) factors[i] = olds[i] == -INFINITY ? 0.0f : expf(olds[i] - news[i]);
+        const __m512 correction = _mm512_loadu_ps(factors);
+        _mm512_storeu_ps(w->sum + v, _mm512_fmadd_ps(_mm512_loadu_ps(w->sum + v), correction, sum));
+        _mm512_storeu_ps(w->max + v, new_max);
+        for (int64_t d = 0; d < head_dim; ++d) {
+            float* a = w->acc_t + d * rp + v;
+            _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), correction));
+        }
+    }
+}
+
+/* One item: query tokens [first, first + tokens) of a sequence (rows of q / out, positions first_pos..), one KV
+ * head's group, reading K from k_head's blocks and V^T from v_t (row stride ld). */
+static void prefill_item(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t heads, int64_t group,
+                         int64_t head_dim, int64_t head, const uint16_t* k_head, const uint16_t* v_t, int64_t ld,
+                         const int64_t* blocks, int64_t block_size, int64_t first, int64_t tokens, int64_t first_pos,
+                         int64_t seq_len, float scale, scratch_t* w) {
+    const int64_t rows = tokens * group, rp = round_up(rows, 32), words = head_dim / 2;
+    const int64_t last_pos = first_pos + tokens - 1;
+    for (int64_t r = 0; r < rp; ++r) {
+        /* padding rows are zero queries at the last row's position; their results are dropped */
+        uint32_t row[256];
+        if (r < rows)
+            memcpy(row, q + (first + r / group) * q_stride + (head * group + r % group) * head_dim, head_dim * 2);
+        else
+            memset(row, 0, head_dim * 2);
+        for (int64_t i = 0; i < words; ++i) w->q_t[i * rp + r] = row[i];
+        w->positions[r] = (int32_t)(first_pos + (r < rows ? r : rows - 1) / group);
+        w->max[r] = -INFINITY;
+        w->sum[r] = 0.0f;
+    }
+    memset(w->acc_t, 0, sizeof(float) * (size_t)(head_dim * rp));
+    const uint16_t* keys[KEYS_PER_TILE / 16];
+    for (int64_t start = 0; start <= last_pos; start += KEYS_PER_TILE) {
+        /* keys past the item's last position are seen by no row: neither read nor scored */
+        const int64_t n = last_pos + 1 - start < KEYS_PER_TILE ? last_pos + 1 - start : KEYS_PER_TILE;
+        const int64_t groups = (n + 15) / 16, depth = round_up(n, 32);
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t key = start + g * 16; /* a group of 16 keys never straddles blocks (block_size % 16 == 0) */
+            keys[g] = k_head + (blocks[key / block_size] * block_size + key % block_size) * head_dim;
+        }
+        tile_scores(keys, groups, head_dim, w->q_t, rp, w->s_t);
+        /* torch's SDPA splits the sequence's seq_len keys into blocks of KEYS_PER_TILE and takes expf past the
+         * last whole 16 of each block */
+        const int64_t block_keys = seq_len - start < KEYS_PER_TILE ? seq_len - start : KEYS_PER_TILE;
+        tile_softmax(w, rp, head_dim, start, n, depth, block_keys / 16 * 16, scale);
+        tile_values(v_t + start, ld, depth, head_dim, w->p_t, rp, w->acc_t);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        uint16_t* out_row = out + ((first + r / group) * heads + head * group + r % group) * head_dim;
+        const float inverse = 1.0f / w->sum[r];
+        for (int64_t d = 0; d < head_dim; ++d) out_row[d] = to_bf16(w->acc_t[d * rp + r] * inverse);
+    }
+}
+
+/* V^T of one sequence's first seq_len keys of one KV head: [head_dim][ld] bf16, zero past seq_len. */
+static void pack_values(const uint16_t* v_head, const int64_t* blocks, int64_t block_size, int64_t seq_len,
+                        int64_t head_dim, int64_t ld, uint16_t* v_t) {
+    for (int64_t d = 0; d < head_dim; ++d) memset(v_t + d * ld + seq_len, 0, (size_t)(ld - seq_len) * 2);
+    for (int64_t t = 0; t < seq_len; ++t) {
+        const uint16_t* row = v_head + (blocks[t / block_size] * block_size + t % block_size) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) v_t[d * ld + t] = row[d];
+    }
+}
+
+int pagedllm_prefill_bf16_ready(void) {
+    static int ready = -1;
+    if (ready < 0) ready = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return ready;
+}
+
+/* q: bf16 rows [tokens][kv_heads * group][head_dim] at a row stride of q_stride elements (heads dense);
+ * out: bf16 [tokens][kv_heads * group][head_dim], contiguous; caches: bf16 head-major
+ * [kv_heads][num_blocks][block_size][head_dim]. Sequence i's query_lens[i] tokens are rows starts[i].. and the
+ * last of its seq_lens[i] positions; it reads the first seq_lens[i] slots its block-table row lists.
+ * head_dim must be a multiple of 32 and at most 512, block_size a multiple of 16, and pagedllm_prefill_bf16_ready
+ * must have returned 1. Returns 0, or 1 when scratch could not be allocated (out is then undefined). */
+int pagedllm_paged_prefill_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache,
+                                const uint16_t* v_cache, const int64_t* starts, const int64_t* query_lens,
+                                const int64_t* seq_lens, const int64_t* block_table, int64_t table_width,
+                                int64_t num_seqs, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t num_blocks,
+                                int64_t block_size, float scale, int threads, uint16_t* out) {
+    const int64_t heads = kv_heads * group, head_numel = num_blocks * block_size * head_dim;
+    const int64_t tile_tokens = ROWS_PER_TILE / group > 0 ? ROWS_PER_TILE / group : 1;
+    const int64_t rp_max = round_up(tile_tokens * group, 32);
+    int64_t tiles = 0, packed = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        tiles += (query_lens[s] + tile_tokens - 1) / tile_tokens;
+        packed += round_up(seq_lens[s], KEYS_PER_TILE);
+    }
+    int64_t* index = malloc(sizeof(int64_t) * (size_t)(2 * tiles + num_seqs + 1));
+    uint16_t* v_t = malloc(sizeof(uint16_t) * (size_t)(kv_heads * packed * head_dim + 1));
+    if (!index || !v_t) {
+        free(index);
+        free(v_t);
+        return 1;
+    }
+    int64_t *tile_first = index, *tile_seq = index + tiles, *v_offset = index + 2 * tiles;
+    for (int64_t s = 0, t = 0, offset = 0; s < num_seqs; ++s) {
+        v_offset[s] = offset;
+        offset += round_up(seq_lens[s], KEYS_PER_TILE) * head_dim;
+        for (int64_t first = 0; first < query_lens[s]; first += tile_tokens, ++t) {
+            tile_first[t] = first;
+            tile_seq[t] = s;
+        }
+    }
+    const int64_t head_packed = packed * head_dim;
+    int failed = 0;
+    const size_t bytes = sizeof(float) * (size_t)(rp_max * (head_dim / 2 + KEYS_PER_TILE / 2 + KEYS_PER_TILE
+                                                            + head_dim + 3));
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < num_seqs * kv_heads; ++i) {
+            const int64_t s = i / kv_heads, head = i % kv_heads, ld = round_up(seq_lens[s], KEYS_PER_TILE);
+            pack_values(v_cache + head * head_numel, block_table + s * table_width, block_size, seq_lens[s], head_dim,
+                        ld, v_t + head * head_packed + v_offset[s]);
+        }
+        char* memory = malloc(bytes);
+        scratch_t w = {0};
+        if (memory) {
+            w.q_t = (uint32_t*)memory;
+            w.p_t = w.q_t + rp_max * head_dim / 2;
+            w.s_t = (float*)(w.p_t + rp_max * KEYS_PER_TILE / 2);
+            w.acc_t = w.s_t + rp_max * KEYS_PER_TILE;
+            w.max = w.acc_t + rp_max * head_dim;
+            w.sum = w.max + rp_max;
+            w.positions = (int32_t*)(w.sum + rp_max);
+            configure_tiles();
+        }
+        failed = !memory;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < tiles * kv_heads; ++i) {
+            if (failed) continue;
+            /* last tiles first: they see the most context, so the dynamic schedule balances better */
+            const int64_t tile = tiles - 1 - i / kv_heads, head = i % kv_heads, seq = tile_seq[tile];
+            const int64_t first = tile_first[tile];
+            const int64_t tokens = query_lens[seq] - first < tile_tokens ? query_lens[seq] - first : tile_tokens;
+            const int64_t first_pos = seq_lens[seq] - query_lens[seq] + first;
+            prefill_item(q, q_stride, out, heads, group, head_dim, head, k_cache + head * head_numel,
+                         v_t + head * head_packed + v_offset[seq], round_up(seq_lens[seq], KEYS_PER_TILE),
+                         block_table + seq * table_width, block_size, starts[seq] + first, tokens, first_pos,
+                         seq_lens[seq], scale, &w);
+        }
+        if (memory) _tile_release();
+        free(memory);
+    }
+    free(index);
+    free(v_t);
+    return failed;
+}
+
+#else /* no AMX in this build: the caller keeps torch's SDPA */
+
+int pagedllm_prefill_bf16_ready(void) { return 0; }
+
+int pagedllm_paged_prefill_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache,
+                                const uint16_t* v_cache, const int64_t* starts, const int64_t* query_lens,
+                                const int64_t* seq_lens, const int64_t* block_table, int64_t table_width,
+                                int64_t num_seqs, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t num_blocks,
+                                int64_t block_size, float scale, int threads, uint16_t* out) {
+    (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)starts, (void)query_lens, (void)seq_lens;
+    (void)block_table, (void)table_width, (void)num_seqs, (void)kv_heads, (void)group, (void)head_dim;
+    (void)num_blocks, (void)block_size, (void)scale, (void)threads, (void)out;
+    return 1;
+}
+
+#endif
