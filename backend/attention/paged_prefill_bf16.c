@@ -91,14 +91,6 @@ static inline __m512 expf16(__m512 x) {
     return _mm512_loadu_ps(lanes);
 }
 
-/* float32 to bf16, rounding to nearest even (NaN kept a NaN). */
-static inline uint16_t to_bf16(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 /* One thread's scratch for an item of rp (padded) rows: the queries as B tiles [head_dim / 2][rp] of bf16
  * pairs, the scores^T [KEYS_PER_TILE][rp], the probabilities^T as B tiles [KEYS_PER_TILE / 2][rp] of bf16
  * pairs, the sums out^T [head_dim][rp], per row the running max, sum and position. */
@@ -172,67 +164,101 @@ static void tile_values(const uint16_t* v_t, int64_t ld, int64_t depth, int64_t 
 /* The probabilities' row sums, added as torch's SDPA adds them (its order, so that the same probabilities sum
  * to the same float): per row, 32 running sums of the keys congruent mod 32 up to the block's last whole 16, the
  * pairs j and j + 16 added, those 16 folded by halves (8, 4, 2, 1 apart), then the library-exp keys one by one.
- * partial[j] holds running sum j for 16 rows. */
-static inline __m512 torch_order_sum(const __m512* partial, const __m512* tail, int64_t tail_keys) {
+ * partial[j * stride] holds running sum j for 16 rows, tail[t * stride] library-exp key t's probabilities. */
+static inline __m512 torch_order_sum(const __m512* partial, const __m512* tail, int64_t tail_keys, int64_t stride) {
     __m512 v[16];
-    for (int j = 0; j < 16; ++j) v[j] = _mm512_add_ps(partial[j], partial[j + 16]);
+    for (int j = 0; j < 16; ++j) v[j] = _mm512_add_ps(partial[j * stride], partial[(j + 16) * stride]);
     for (int half = 8; half >= 1; half /= 2)
         for (int j = 0; j < half; ++j) v[j] = _mm512_add_ps(v[j], v[j + half]);
     __m512 sum = v[0];
-    for (int64_t t = 0; t < tail_keys; ++t) sum = _mm512_add_ps(sum, tail[t]);
+    for (int64_t t = 0; t < tail_keys; ++t) sum = _mm512_add_ps(sum, tail[t * stride]);
     return sum;
 }
 
-/* The online softmax over a key tile of `keys` keys from position `start`, for every vector of 16 rows: the
- * probabilities^T written as bf16 pairs up to `depth` keys (zero where a row does not see the key), the sums
- * and the output's running rescaled. Keys from the tile's `library_from` on take expf (see expf16). */
+/* Probabilities of key row t for every vector of rows: exp of the scaled scores less each row's max, zero where
+ * `seen` (one mask per vector, NULL when every row sees the key) says a row does not see it; added to the
+ * running sums `sums` (one per vector). */
+static inline __attribute__((always_inline)) void key_probabilities(const float* s, int64_t vectors, const __m512* maxes, __m512 scales,
+                                     const __mmask16* seen, int library, __m512* sums, __m512* p) {
+    for (int64_t v = 0; v < vectors; ++v) {
+        const __mmask16 mask = seen ? seen[v] : 0xffff;
+        const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask, s + v * 16), scales), maxes[v]);
+        p[v] = _mm512_maskz_mov_ps(mask, library ? expf16(x) : exp16(x));
+        sums[v] = _mm512_add_ps(sums[v], p[v]);
+    }
+}
+
+/* The online softmax over a key tile of `keys` keys from position `start`: the probabilities^T written as bf16
+ * pairs up to `depth` keys (zero where a row does not see the key), the sums and the output's running rescaled.
+ * Keys from the tile's `library_from` on take expf (see expf16); the first `all_seen` keys are seen by every row,
+ * so they skip the causal mask. Key rows are walked in order, each row of scores once per pass, with one
+ * running max and sums per vector of 16 rows. */
 static void tile_softmax(const scratch_t* w, int64_t rp, int64_t head_dim, int64_t start, int64_t keys,
-                         int64_t depth, int64_t library_from, float scale) {
+                         int64_t depth, int64_t library_from, int64_t all_seen, float scale) {
+    enum { MAX_VECTORS = ROWS_PER_TILE / 16 };
     /* interleaves two converted rows [a0..a15, b0..b15] into [a0, b0, a1, b1, ...] */
     const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                            22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512 scales = _mm512_set1_ps(scale);
-    __m512 partial[32], tail[16];
-    for (int64_t v = 0; v < rp; v += 16) {
-        const __m512i row_pos = _mm512_loadu_si512(w->positions + v);
-        const __m512 old_max = _mm512_loadu_ps(w->max + v);
-        __m512 tile_max = _mm512_set1_ps(-INFINITY);
-        for (int64_t t = 0; t < keys; ++t) {
-            const __mmask16 seen = _mm512_cmpge_epi32_mask(row_pos, _mm512_set1_epi32((int32_t)(start + t)));
-            tile_max = _mm512_mask_max_ps(tile_max, seen, tile_max, _mm512_loadu_ps(w->s_t + t * rp + v));
+    const int64_t vectors = rp / 16;
+    __m512i row_pos[MAX_VECTORS];
+    __m512 old_max[MAX_VECTORS], new_max[MAX_VECTORS];
+    for (int64_t v = 0; v < vectors; ++v) {
+        row_pos[v] = _mm512_loadu_si512(w->positions + v * 16);
+        old_max[v] = _mm512_loadu_ps(w->max + v * 16);
+        new_max[v] = _mm512_set1_ps(-INFINITY);
+    }
+    for (int64_t t = 0; t < keys; ++t) {
+        const float* s = w->s_t + t * rp;
+        for (int64_t v = 0; v < vectors; ++v) {
+            const __mmask16 seen =
+                t < all_seen ? 0xffff : _mm512_cmpge_epi32_mask(row_pos[v], _mm512_set1_epi32((int32_t)(start + t)));
+            new_max[v] = _mm512_mask_max_ps(new_max[v], seen, new_max[v], _mm512_loadu_ps(s + v * 16));
         }
-        const __m512 new_max = _mm512_max_ps(old_max, _mm512_mul_ps(tile_max, scales));
-        for (int j = 0; j < 32; ++j) partial[j] = _mm512_setzero_ps();
-        int64_t tail_keys = 0;
-        for (int64_t t = 0; t < depth; t += 2) {
-            __m512 p[2];
-            for (int i = 0; i < 2; ++i) {
-                const __mmask16 seen =
-                    t + i < keys ? _mm512_cmpge_epi32_mask(row_pos, _mm512_set1_epi32((int32_t)(start + t + i))) : 0;
-                const __m512 s = _mm512_maskz_loadu_ps(seen, w->s_t + (t + i) * rp + v);
-                const __m512 x = _mm512_sub_ps(_mm512_mul_ps(s, scales), new_max);
-                if (t + i < library_from) {
-                    p[i] = _mm512_maskz_mov_ps(seen, exp16(x));
-                    partial[(t + i) & 31] = _mm512_add_ps(partial[(t + i) & 31], p[i]);
-                } else {
-                    p[i] = _mm512_maskz_mov_ps(seen, expf16(x));
-                    if (t + i < keys) tail[tail_keys++] = p[i];
-                }
-            }
-            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]);
-            _mm512_storeu_si512(w->p_t + (t / 2) * rp + v, _mm512_permutexvar_epi16(pairs, both));
+    }
+    for (int64_t v = 0; v < vectors; ++v) new_max[v] = _mm512_max_ps(old_max[v], _mm512_mul_ps(new_max[v], scales));
+    /* running sums j (keys congruent to j mod 32) of vector v at partial[j * vectors + v] */
+    __m512 partial[32 * MAX_VECTORS], tail[16 * MAX_VECTORS];
+    for (int64_t j = 0; j < 32 * vectors; ++j) partial[j] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < 16 * vectors; ++j) tail[j] = _mm512_setzero_ps();
+    int64_t tail_keys = 0;
+    for (int64_t t = 0; t < depth; t += 2) {
+        __m512 p[2][MAX_VECTORS];
+        for (int i = 0; i < 2; ++i) {
+            const int64_t key = t + i;
+            __mmask16 seen[MAX_VECTORS];
+            const int masked = key >= all_seen;
+            for (int64_t v = 0; masked && v < vectors; ++v)
+                seen[v] = key < keys ? _mm512_cmpge_epi32_mask(row_pos[v], _mm512_set1_epi32((int32_t)(start + key)))
+                                     : 0;
+            const int library = key >= library_from;
+            /* keys past `keys` (up to depth) and library-exp keys that no row reads are zero and summed nowhere */
+            __m512* sums = !library ? partial + (key & 31) * vectors : key < keys ? tail + tail_keys++ * vectors
+                                                                                 : tail + 15 * vectors;
+            /* spelled out per case so that the common one (every row sees the key, fast exp) inlines unmasked */
+            if (!masked && !library)
+                key_probabilities(w->s_t + key * rp, vectors, new_max, scales, NULL, 0, sums, p[i]);
+            else
+                key_probabilities(w->s_t + key * rp, vectors, new_max, scales, masked ? seen : NULL, library, sums,
+                                  p[i]);
         }
-        const __m512 sum = torch_order_sum(partial, tail, tail_keys);
+        for (int64_t v = 0; v < vectors; ++v) {
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p[1][v], p[0][v]);
+            _mm512_storeu_si512(w->p_t + (t / 2) * rp + v * 16, _mm512_permutexvar_epi16(pairs, both));
+        }
+    }
+    for (int64_t v = 0; v < vectors; ++v) {
+        const __m512 sum = torch_order_sum(partial + v, tail + v, tail_keys, vectors);
         /* every row sees key 0 in the first tile, so old_max is -inf only there, where nothing is to rescale */
         float olds[16], news[16], factors[16];
-        _mm512_storeu_ps(olds, old_max);
-        _mm512_storeu_ps(news, new_max);
+        _mm512_storeu_ps(olds, old_max[v]);
+        _mm512_storeu_ps(news, new_max[v]);
         for (int i = 0; i < 16; ++i) factors[i] = olds[i] == -INFINITY ? 0.0f : expf(olds[i] - news[i]);
         const __m512 correction = _mm512_loadu_ps(factors);
-        _mm512_storeu_ps(w->sum + v, _mm512_fmadd_ps(_mm512_loadu_ps(w->sum + v), correction, sum));
-        _mm512_storeu_ps(w->max + v, new_max);
+        _mm512_storeu_ps(w->sum + v * 16, _mm512_fmadd_ps(_mm512_loadu_ps(w->sum + v * 16), correction, sum));
+        _mm512_storeu_ps(w->max + v * 16, new_max[v]);
         for (int64_t d = 0; d < head_dim; ++d) {
-            float* a = w->acc_t + d * rp + v;
+            float* a = w->acc_t + d * rp + v * 16;
             _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), correction));
         }
     }
@@ -246,14 +272,16 @@ static void prefill_item(const uint16_t* q, int64_t q_stride, uint16_t* out, int
                          int64_t seq_len, float scale, scratch_t* w) {
     const int64_t rows = tokens * group, rp = round_up(rows, 32), words = head_dim / 2;
     const int64_t last_pos = first_pos + tokens - 1;
+    /* word i of row r goes to q_t[i * rp + r]: 16 words of a row at a time, scattered rp apart */
+    const __m512i word_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
+                                                                     1, 0), _mm512_set1_epi32((int32_t)rp));
     for (int64_t r = 0; r < rp; ++r) {
         /* padding rows are zero queries at the last row's position; their results are dropped */
-        uint32_t row[256];
-        if (r < rows)
-            memcpy(row, q + (first + r / group) * q_stride + (head * group + r % group) * head_dim, head_dim * 2);
-        else
-            memset(row, 0, head_dim * 2);
-        for (int64_t i = 0; i < words; ++i) w->q_t[i * rp + r] = row[i];
+        const uint16_t* row = q + (first + r / group) * q_stride + (head * group + r % group) * head_dim;
+        for (int64_t i = 0; i < words; i += 16) {
+            const __m512i values = r < rows ? _mm512_loadu_si512(row + 2 * i) : _mm512_setzero_si512();
+            _mm512_i32scatter_epi32(w->q_t + i * rp + r, word_offsets, values, 4);
+        }
         w->positions[r] = (int32_t)(first_pos + (r < rows ? r : rows - 1) / group);
         w->max[r] = -INFINITY;
         w->sum[r] = 0.0f;
@@ -272,13 +300,18 @@ static void prefill_item(const uint16_t* q, int64_t q_stride, uint16_t* out, int
         /* torch's SDPA splits the sequence's seq_len keys into blocks of KEYS_PER_TILE and takes expf past the
          * last whole 16 of each block */
         const int64_t block_keys = seq_len - start < KEYS_PER_TILE ? seq_len - start : KEYS_PER_TILE;
-        tile_softmax(w, rp, head_dim, start, n, depth, block_keys / 16 * 16, scale);
+        const int64_t all_seen = first_pos + 1 - start < n ? first_pos + 1 - start : n; /* rows start at first_pos */
+        tile_softmax(w, rp, head_dim, start, n, depth, block_keys / 16 * 16, all_seen, scale);
         tile_values(v_t + start, ld, depth, head_dim, w->p_t, rp, w->acc_t);
     }
+    /* out^T's column r is row r of the output: 16 dimensions gathered rp apart, scaled, rounded to bf16 */
     for (int64_t r = 0; r < rows; ++r) {
         uint16_t* out_row = out + ((first + r / group) * heads + head * group + r % group) * head_dim;
-        const float inverse = 1.0f / w->sum[r];
-        for (int64_t d = 0; d < head_dim; ++d) out_row[d] = to_bf16(w->acc_t[d * rp + r] * inverse);
+        const __m512 inverse = _mm512_set1_ps(1.0f / w->sum[r]);
+        for (int64_t d = 0; d < head_dim; d += 16) {
+            const __m512 x = _mm512_i32gather_ps(word_offsets, w->acc_t + d * rp + r, 4);
+            _mm256_storeu_si256((__m256i*)(out_row + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(x, inverse)));
+        }
     }
 }
 
@@ -286,9 +319,18 @@ static void prefill_item(const uint16_t* q, int64_t q_stride, uint16_t* out, int
 static void pack_values(const uint16_t* v_head, const int64_t* blocks, int64_t block_size, int64_t seq_len,
                         int64_t head_dim, int64_t ld, uint16_t* v_t) {
     for (int64_t d = 0; d < head_dim; ++d) memset(v_t + d * ld + seq_len, 0, (size_t)(ld - seq_len) * 2);
-    for (int64_t t = 0; t < seq_len; ++t) {
-        const uint16_t* row = v_head + (blocks[t / block_size] * block_size + t % block_size) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) v_t[d * ld + t] = row[d];
+    /* 16 keys at a time (a group never straddles blocks): dimensions d and d + 1 of the 16 rows gathered as one
+     * 32-bit word each, split into the two bf16 rows of V^T */
+    const __m512i row_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
+                                                                    1, 0), _mm512_set1_epi32((int32_t)head_dim * 2));
+    for (int64_t t = 0; t < seq_len; t += 16) {
+        const uint16_t* rows = v_head + (blocks[t / block_size] * block_size + t % block_size) * head_dim;
+        const __mmask16 real = seq_len - t >= 16 ? 0xffff : (__mmask16)((1u << (seq_len - t)) - 1);
+        for (int64_t d = 0; d < head_dim; d += 2) {
+            const __m512i pairs = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), real, row_offsets, rows + d, 1);
+            _mm256_mask_storeu_epi16(v_t + d * ld + t, real, _mm512_cvtepi32_epi16(pairs));
+            _mm256_mask_storeu_epi16(v_t + (d + 1) * ld + t, real, _mm512_cvtepi32_epi16(_mm512_srli_epi32(pairs, 16)));
+        }
     }
 }
 
