@@ -29,9 +29,10 @@ bf16 decodes go to the same compiled routine: bf16 queries and blocks widened to
 as they are read, float32 sums, the output rounded to bf16 there, and the softmax weights rounded to
 bf16 before they weigh V, as torch's bf16 SDPA rounds them (bf16 greedy tokens are judged against
 transformers' bf16 forward, which runs that SDPA: tests/test_bf16_accuracy.py). In a step that mixes bf16
-prefills and decodes, the decodes (and the short chunks the plan turns into decodes) take the same routine and
-only the prefill chunks gather their blocks for SDPA: a decode is then computed the same way whether or not a
-prefill shares its step. In a decode-only step, :meth:`CpuPagedAttention.attend_qkv` writes
+prefills and decodes, the decodes (and the short chunks the plan turns into decodes) take the same routine: a
+decode is then computed the same way whether or not a prefill shares its step. bf16 prefill chunks run in
+:mod:`pagedllm.attention.native_prefill_bf16` on CPUs with AMX, which reads them in place and computes their
+softmax as torch's bf16 SDPA does; elsewhere they gather their blocks for SDPA. In a decode-only step, :meth:`CpuPagedAttention.attend_qkv` writes
 and attends straight from each layer's fused q|k|v rows, with the routines' arguments bound once for the step
 (:class:`pagedllm.attention.native_decode.BoundDecodes`).
 
@@ -167,8 +168,10 @@ class CpuPagedAttention:
     With ``native`` (:func:`pagedllm.attention.native_decode.load_native_decode`), float32 and bf16 decodes
     run in the compiled routine, which reads their blocks in place; with ``native_prefill``
     (:func:`pagedllm.attention.native_prefill.load_native_prefill`), so do the float32 prefill
-    chunks the plan's crossover rule gives it. Everything else, and everything when both
-    are ``None``, runs in torch.
+    chunks the plan's crossover rule gives it; with ``native_prefill_bf16``
+    (:func:`pagedllm.attention.native_prefill_bf16.load_native_prefill_bf16`), the bf16 prefill chunks of
+    steps whose decodes ``native`` runs. Everything else, and everything when all three are ``None``, runs in
+    torch.
     """
 
     def __init__(self, native: NativeDecode | None = None, native_prefill: NativePrefill | None = None,
