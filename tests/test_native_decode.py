@@ -18,6 +18,7 @@ from pagedllm.attention.cpu_attention import CpuPagedAttention, new_cpu_cache, w
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.cpu_attention_plan import plan_cpu_attention
 from pagedllm.attention.native_decode import load_native_decode
+from pagedllm.attention.native_prefill import load_native_prefill
 from pagedllm.attention.native_prefill_bf16 import load_native_prefill_bf16
 from pagedllm.testing.paged_batch import PagedBatch
 
@@ -26,11 +27,13 @@ from test_cpu_attention import CASES, TOLERANCE, Case, head_major, make_batch, m
 
 @pytest.fixture
 def fresh_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    """Each call builds or refuses anew, into a private cache."""
+    """Each call builds or refuses anew, into a private cache. The prefill routines' loaders are cleared after
+    too: a backend built here without a compiler would otherwise leave them ``None`` for every later test."""
     monkeypatch.setenv(native_decode.CACHE_ENV, str(tmp_path))
     load_native_decode.cache_clear()
     yield
-    load_native_decode.cache_clear()
+    for loader in (load_native_decode, load_native_prefill, load_native_prefill_bf16):
+        loader.cache_clear()
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
