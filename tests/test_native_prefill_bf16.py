@@ -122,3 +122,21 @@ def test_switched_off_it_is_not_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         monkeypatch.delenv(SWITCH_ENV)
         load_native_prefill_bf16.cache_clear()
+
+
+def test_threads_split_the_work_without_changing_a_bit(amx: None) -> None:
+    """Items are whole (sequence, KV head, query tile)s, each on one thread with its own tile state."""
+    case = CASES["chunked-gqa4-d64-b16"]
+    batch = make_batch(case, seed=5)
+    k_cache, v_cache = head_major(batch.k_cache), head_major(batch.v_cache)
+    backend = torch_backend()
+    planned = backend.plan(metadata_of(batch))
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = backend.attend(batch.q, k_cache, v_cache, planned, batch.scale)
+        torch.set_num_threads(2)
+        two = backend.attend(batch.q, k_cache, v_cache, planned, batch.scale)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(one, two)
