@@ -14,7 +14,8 @@
  *     and P^T's VNNI layout is two consecutive key rows of the scores, interleaved, which the softmax writes.
  * The softmax is flash attention's online one, run on vectors of 16 rows (the columns of scores^T), in float32:
  * scores are scaled in float32, the probabilities summed in float32 and rounded to bf16 before they weigh V,
- * and each output rounded to bf16 once, as torch's bf16 SDPA does.
+ * and each output rounded to bf16 once, as torch's bf16 SDPA does; and with SDPA's own exp, blocks of keys and
+ * order of sums (sdpa_softmax_bf16.h), so that its outputs are SDPA's bits but for a few.
  *
  * Linux hands out AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM), which
  * pagedllm_prefill_bf16_ready makes once per process; a build without AMX (another CPU) reports 0 there and
@@ -33,11 +34,16 @@
 #endif
 
 #define ROWS_PER_TILE 128 /* query rows per item; a multiple of 32 (two 16-row tile columns) */
-#define KEYS_PER_TILE 512  /* keys per online-softmax step; a multiple of 32 (one bf16 tile's depth) */
+/* Keys per online-softmax step: torch's bf16 SDPA rescales once per 512 keys, and its probabilities round to bf16
+ * relative to the running max of those blocks, so the same blocks give the same bits (sdpa_softmax_bf16.h). A
+ * multiple of 32 (one bf16 tile's depth). */
+#define KEYS_PER_TILE 512
 
 static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 #ifdef HAVE_AMX
+
+#include "sdpa_softmax_bf16.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -59,36 +65,6 @@ static void configure_tiles(void) {
         config.rows[i] = 16;
     }
     _tile_loadconfig(&config);
-}
-
-/* exp(x) on 16 lanes the way torch's bf16 SDPA computes its probabilities (Vectorized::fexp_u20, used where
- * the probabilities are stored as bf16): 2^(x log2 e) with the fraction's correction a cubic in the fraction,
- * assembled directly as float bits by a truncating conversion. It is coarser than a library exp, and that is
- * the point: bf16 is judged against transformers' bf16 forward, which runs that SDPA
- * (tests/test_bf16_accuracy.py), and on its tiny random checkpoints top-1 logits nearly tie, so probabilities
- * that round to other bf16 values flipped several percent of the positions where the same recipe flips none. */
-static inline __m512 exp16(__m512 x) {
-    const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365478515625f), _CMP_LT_OS);
-    const __mmask16 overflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283935546875f), _CMP_GT_OS);
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269502162933349609375f));
-    const __m512 f = _mm512_sub_ps(t, _mm512_floor_ps(t));
-    __m512 c = _mm512_fmadd_ps(f, _mm512_set1_ps(-0.079204240219773236f), _mm512_set1_ps(-0.22433836478672356f));
-    c = _mm512_fmadd_ps(f, c, _mm512_set1_ps(0.30354260500649682f));
-    c = _mm512_fmadd_ps(f, c, _mm512_set1_ps(0.00010703434948458272f));
-    const __m512 bits = _mm512_fmadd_ps(_mm512_set1_ps(8388608.0f), _mm512_sub_ps(t, c),
-                                        _mm512_set1_ps(8388608.0f * 127.0f));
-    __m512i result = _mm512_cvttps_epi32(bits);
-    result = _mm512_mask_mov_epi32(result, underflow, _mm512_setzero_si512());
-    result = _mm512_mask_mov_epi32(result, overflow, _mm512_set1_epi32(0x7f800000));
-    return _mm512_castsi512_ps(result);
-}
-
-/* expf on 16 lanes: torch's SDPA takes the library exp for the keys past the last whole 16 of a key block. */
-static inline __m512 expf16(__m512 x) {
-    float lanes[16];
-    _mm512_storeu_ps(lanes, x);
-    for (int i = 0; i < 16; ++i) lanes[i] = expf(lanes[i]);
-    return _mm512_loadu_ps(lanes);
 }
 
 /* One thread's scratch for an item of rp (padded) rows: the queries as B tiles [head_dim / 2][rp] of bf16
@@ -159,20 +135,6 @@ static void tile_values(const uint16_t* v_t, int64_t ld, int64_t depth, int64_t 
             _tile_stored(2, acc + 16 * rp, a_stride);
             _tile_stored(3, acc + 16 * rp + 16, a_stride);
         }
-}
-
-/* The probabilities' row sums, added as torch's SDPA adds them (its order, so that the same probabilities sum
- * to the same float): per row, 32 running sums of the keys congruent mod 32 up to the block's last whole 16, the
- * pairs j and j + 16 added, those 16 folded by halves (8, 4, 2, 1 apart), then the library-exp keys one by one.
- * partial[j * stride] holds running sum j for 16 rows, tail[t * stride] library-exp key t's probabilities. */
-static inline __m512 torch_order_sum(const __m512* partial, const __m512* tail, int64_t tail_keys, int64_t stride) {
-    __m512 v[16];
-    for (int j = 0; j < 16; ++j) v[j] = _mm512_add_ps(partial[j * stride], partial[(j + 16) * stride]);
-    for (int half = 8; half >= 1; half /= 2)
-        for (int j = 0; j < half; ++j) v[j] = _mm512_add_ps(v[j], v[j + half]);
-    __m512 sum = v[0];
-    for (int64_t t = 0; t < tail_keys; ++t) sum = _mm512_add_ps(sum, tail[t * stride]);
-    return sum;
 }
 
 /* Probabilities of key row t for every vector of rows: exp of the scaled scores less each row's max, zero where
