@@ -33,6 +33,8 @@ CASES = {
     "chunked-gqa4-d64-b16": Case((40, 1, 17, 1), (200, 77, 81, 300), 8, 2, 64, 16, torch.bfloat16),
     # head_dim 128, block 32, GQA 8: a query tile of 16 tokens, contexts ending mid-block
     "mixed-gqa8-d128-b32": Case((9, 1, 70, 2), (9, 45, 333, 2), 8, 1, 128, 32, torch.bfloat16),
+    # past one 512-key softmax block: a long prompt, and a chunk after long context (the running max rescales)
+    "long-gqa7-d64-b16": Case((600, 64), (600, 764), 14, 2, 64, 16, torch.bfloat16),
     # one query head per KV head: 128-token query tiles
     "prompt-gqa1-d64-b32": Case((150, 33), (150, 100), 4, 4, 64, 32, torch.bfloat16),
 }
