@@ -318,7 +318,8 @@ static void prefill_item(const uint16_t* q, int64_t q_stride, uint16_t* out, int
     }
 }
 
-/* V^T of one sequence's first seq_len keys of one KV head: [head_dim][ld] bf16, zero past seq_len. */
+/* V^T of one sequence's first seq_len keys of one KV head: [head_dim][ld] bf16, zero past seq_len. ld is seq_len
+ * rounded up to 32, the depth of the products' last key group (a tile's keys start at multiples of 32). */
 static void pack_values(const uint16_t* v_head, const int64_t* blocks, int64_t block_size, int64_t seq_len,
                         int64_t head_dim, int64_t ld, uint16_t* v_t) {
     for (int64_t d = 0; d < head_dim; ++d) memset(v_t + d * ld + seq_len, 0, (size_t)(ld - seq_len) * 2);
@@ -360,7 +361,7 @@ int pagedllm_paged_prefill_bf16(const uint16_t* q, int64_t q_stride, const uint1
     int64_t tiles = 0, packed = 0;
     for (int64_t s = 0; s < num_seqs; ++s) {
         tiles += (query_lens[s] + tile_tokens - 1) / tile_tokens;
-        packed += round_up(seq_lens[s], KEYS_PER_TILE);
+        packed += round_up(seq_lens[s], 32);
     }
     int64_t* index = malloc(sizeof(int64_t) * (size_t)(2 * tiles + num_seqs + 1));
     uint16_t* v_t = malloc(sizeof(uint16_t) * (size_t)(kv_heads * packed * head_dim + 1));
@@ -372,7 +373,7 @@ int pagedllm_paged_prefill_bf16(const uint16_t* q, int64_t q_stride, const uint1
     int64_t *tile_first = index, *tile_seq = index + tiles, *v_offset = index + 2 * tiles;
     for (int64_t s = 0, t = 0, offset = 0; s < num_seqs; ++s) {
         v_offset[s] = offset;
-        offset += round_up(seq_lens[s], KEYS_PER_TILE) * head_dim;
+        offset += round_up(seq_lens[s], 32) * head_dim;
         for (int64_t first = 0; first < query_lens[s]; first += tile_tokens, ++t) {
             tile_first[t] = first;
             tile_seq[t] = s;
@@ -386,7 +387,7 @@ int pagedllm_paged_prefill_bf16(const uint16_t* q, int64_t q_stride, const uint1
     {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_seqs * kv_heads; ++i) {
-            const int64_t s = i / kv_heads, head = i % kv_heads, ld = round_up(seq_lens[s], KEYS_PER_TILE);
+            const int64_t s = i / kv_heads, head = i % kv_heads, ld = round_up(seq_lens[s], 32);
             pack_values(v_cache + head * head_numel, block_table + s * table_width, block_size, seq_lens[s], head_dim,
                         ld, v_t + head * head_packed + v_offset[s]);
         }
@@ -412,7 +413,7 @@ int pagedllm_paged_prefill_bf16(const uint16_t* q, int64_t q_stride, const uint1
             const int64_t tokens = query_lens[seq] - first < tile_tokens ? query_lens[seq] - first : tile_tokens;
             const int64_t first_pos = seq_lens[seq] - query_lens[seq] + first;
             prefill_item(q, q_stride, out, heads, group, head_dim, head, k_cache + head * head_numel,
-                         v_t + head * head_packed + v_offset[seq], round_up(seq_lens[seq], KEYS_PER_TILE),
+                         v_t + head * head_packed + v_offset[seq], round_up(seq_lens[seq], 32),
                          block_table + seq * table_width, block_size, starts[seq] + first, tokens, first_pos,
                          seq_lens[seq], scale, &w);
         }
