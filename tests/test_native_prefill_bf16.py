@@ -1,12 +1,13 @@
 """The compiled bf16 prefill attention on AMX tiles against a float32 reference, through the production backend.
 
-The routine cannot equal torch's bf16 SDPA bit for bit (other summation order), so it is held to a
-float32 reference on the same bf16 inputs, within what bf16 allows: every output within MAX_ERROR
-(a few bf16 steps at the outputs' size, about 3), and on average no further from the reference than
-SDPA's own bf16 result is, plus MEAN_SLACK. It computes its probabilities, and sums them, as torch's bf16 SDPA
-does (see the source), so it also equals SDPA's result at all but a few outputs (MAX_SDPA_MISMATCH): that is
-what keeps bf16 greedy tokens on transformers' near-tied tiny checkpoints (tests/test_bf16_accuracy.py). Shapes: GQA 1/4/7/8, head sizes 64 and 128, blocks 16 and
-32, ragged batches, chunks after cached context, mixed with decodes, item rows that are not whole tiles.
+The routine cannot equal torch's bf16 SDPA bit for bit (other summation order in its products), so it is held
+to a float32 reference on the same bf16 inputs, within what bf16 allows: every output within MAX_ERROR (a few
+bf16 steps at the outputs' size, about 3), and on average no further from the reference than SDPA's own bf16
+result is, plus MEAN_SLACK. It computes its probabilities, and sums them, as torch's bf16 SDPA does (see
+sdpa_softmax_bf16.h), so it also equals SDPA's result at all but a few outputs (MAX_SDPA_MISMATCH): that is what
+keeps bf16 greedy tokens on transformers' near-tied tiny checkpoints (tests/test_bf16_accuracy.py). Shapes: GQA
+1/4/7/8, head sizes 64 and 128, blocks 16 and 32, ragged batches, chunks after cached context, mixed with
+decodes, contexts past one 512-key block, item rows that are not whole tiles.
 """
 from __future__ import annotations
 

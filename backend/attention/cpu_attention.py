@@ -32,8 +32,8 @@ transformers' bf16 forward, which runs that SDPA: tests/test_bf16_accuracy.py). 
 prefills and decodes, the decodes (and the short chunks the plan turns into decodes) take the same routine: a
 decode is then computed the same way whether or not a prefill shares its step. bf16 prefill chunks run in
 :mod:`pagedllm.attention.native_prefill_bf16` on CPUs with AMX, which reads them in place and computes their
-softmax as torch's bf16 SDPA does; elsewhere they gather their blocks for SDPA. In a decode-only step, :meth:`CpuPagedAttention.attend_qkv` writes
-and attends straight from each layer's fused q|k|v rows, with the routines' arguments bound once for the step
+softmax as torch's bf16 SDPA does; elsewhere they gather their blocks for SDPA. In a decode-only step,
+:meth:`CpuPagedAttention.attend_qkv` writes and attends straight from each layer's fused q|k|v rows, with the routines' arguments bound once for the step
 (:class:`pagedllm.attention.native_decode.BoundDecodes`).
 
 8-bit (fp8) caches are read without a full-precision copy of the cache: the compiled routine

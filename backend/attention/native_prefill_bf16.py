@@ -1,4 +1,5 @@
-"""The compiled bf16 prefill attention on AMX tiles (``paged_prefill_bf16.c``), built once per machine, loaded with ctypes.
+"""The compiled bf16 prefill attention on AMX tiles (``paged_prefill_bf16.c``), built once per machine, loaded by
+ctypes.
 
 bf16 prefill chunks otherwise gather their blocks and run torch's bf16 SDPA; this routine reads the
 bf16 cache in place and computes both matrix products on the CPU's AMX tiles, with float32 sums and the

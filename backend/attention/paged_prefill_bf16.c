@@ -140,8 +140,10 @@ static void tile_values(const uint16_t* v_t, int64_t ld, int64_t depth, int64_t 
 /* Probabilities of key row t for every vector of rows: exp of the scaled scores less each row's max, zero where
  * `seen` (one mask per vector, NULL when every row sees the key) says a row does not see it; added to the
  * running sums `sums` (one per vector). */
-static inline __attribute__((always_inline)) void key_probabilities(const float* s, int64_t vectors, const __m512* maxes, __m512 scales,
-                                     const __mmask16* seen, int library, __m512* sums, __m512* p) {
+static inline __attribute__((always_inline)) void key_probabilities(const float* s, int64_t vectors,
+                                                                     const __m512* maxes, __m512 scales,
+                                                                     const __mmask16* seen, int library, __m512* sums,
+                                                                     __m512* p) {
     for (int64_t v = 0; v < vectors; ++v) {
         const __mmask16 mask = seen ? seen[v] : 0xffff;
         const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask, s + v * 16), scales), maxes[v]);
@@ -312,7 +314,8 @@ static void prefill_item(const uint16_t* q, int64_t q_stride, uint16_t* out, int
             for (int j = 0; j < 16 && r0 + j < rows; ++j) {
                 const int64_t r = r0 + j;
                 uint16_t* out_row = out + ((first + r / group) * heads + head * group + r % group) * head_dim;
-                _mm256_storeu_si256((__m256i*)(out_row + d0), (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(block[j])));
+                const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_castsi512_ps(block[j]));
+                _mm256_storeu_si256((__m256i*)(out_row + d0), (__m256i)rounded);
             }
         }
     }
