@@ -18,6 +18,8 @@ from pagedllm.attention.cpu_attention import CpuPagedAttention, new_cpu_cache, w
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.cpu_attention_plan import plan_cpu_attention
 from pagedllm.attention.native_decode import load_native_decode
+from pagedllm.attention.native_prefill import load_native_prefill
+from pagedllm.attention.native_prefill_bf16 import load_native_prefill_bf16
 from pagedllm.testing.paged_batch import PagedBatch
 
 from test_cpu_attention import CASES, TOLERANCE, Case, head_major, make_batch, metadata_of
@@ -25,11 +27,13 @@ from test_cpu_attention import CASES, TOLERANCE, Case, head_major, make_batch, m
 
 @pytest.fixture
 def fresh_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    """Each call builds or refuses anew, into a private cache."""
+    """Each call builds or refuses anew, into a private cache. The prefill routines' loaders are cleared after
+    too: a backend built here without a compiler would otherwise leave them ``None`` for every later test."""
     monkeypatch.setenv(native_decode.CACHE_ENV, str(tmp_path))
     load_native_decode.cache_clear()
     yield
-    load_native_decode.cache_clear()
+    for loader in (load_native_decode, load_native_prefill, load_native_prefill_bf16):
+        loader.cache_clear()
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
@@ -133,9 +137,12 @@ def test_a_bf16_step_with_prompts_runs_its_decodes_in_it_as_a_step_of_decodes_do
     batch = replace(batch, k_cache=head_major(batch.k_cache), v_cache=head_major(batch.v_cache))
     backend = torch_backend()
     mixed = backend.attend(batch.q, batch.k_cache, batch.v_cache, backend.plan(metadata_of(batch)), batch.scale)
-    # Only the two prefills' blocks (1 + 3) are gathered: the decodes are read in place.
+    # The decodes are read in place; so are the prefills where the AMX routine runs them, else only the two
+    # prefills' blocks (1 + 3) are gathered.
     gathered = [buffer for key, buffer in backend.attend.__self__._buffers.items() if key[0] in ("k", "v")]
-    assert [buffer.numel() for buffer in gathered] == [case.num_kv_heads * 4 * case.block_size * case.head_dim] * 2
+    gathered_blocks = [] if load_native_prefill_bf16() is not None else [case.num_kv_heads * 4 * case.block_size
+                                                                          * case.head_dim] * 2
+    assert [buffer.numel() for buffer in gathered] == gathered_blocks
     # The decodes' rows are those of a step of the same decodes alone, bit for bit.
     rows = [0, 22, 23, 24, 25]
     decodes = replace(batch, q=batch.q[rows], query_start_loc=torch.arange(6, dtype=torch.int32),

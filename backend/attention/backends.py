@@ -25,6 +25,7 @@ from pagedllm.attention.cpu_attention import CpuPagedAttention, new_cpu_cache
 from pagedllm.attention.cpu_attention_plan import plan_cpu_attention
 from pagedllm.attention.native_decode import load_native_decode
 from pagedllm.attention.native_prefill import load_native_prefill
+from pagedllm.attention.native_prefill_bf16 import load_native_prefill_bf16
 
 # Set to "1" to run the Triton-lang kernels even on CPU (with TRITON_INTERPRET=1).
 FORCE_TRITON_ENV = "PAGEDLLM_FORCE_TRITON"
@@ -81,9 +82,11 @@ def torch_backend(native: bool = True) -> AttentionBackend:
 
     ``native`` runs float32 and bf16 decodes, and the float32 prefill chunks it is faster for, in the compiled
     routines when they can be built (:mod:`pagedllm.attention.native_decode`,
-    :mod:`pagedllm.attention.native_prefill`); ``False`` keeps every step in plain torch.
+    :mod:`pagedllm.attention.native_prefill`), and bf16 prefill chunks in the AMX routine where the CPU has it
+    (:mod:`pagedllm.attention.native_prefill_bf16`); ``False`` keeps every step in plain torch.
     """
-    attention = CpuPagedAttention(load_native_decode() if native else None, load_native_prefill() if native else None)
+    attention = CpuPagedAttention(load_native_decode() if native else None, load_native_prefill() if native else None,
+                                  load_native_prefill_bf16() if native else None)
     return AttentionBackend("torch", plan_cpu_attention, attention.attend, attention.write_kv, copy_blocks_ref,
                             new_cpu_cache, attention.attend_qkv)
 

@@ -29,10 +29,11 @@ bf16 decodes go to the same compiled routine: bf16 queries and blocks widened to
 as they are read, float32 sums, the output rounded to bf16 there, and the softmax weights rounded to
 bf16 before they weigh V, as torch's bf16 SDPA rounds them (bf16 greedy tokens are judged against
 transformers' bf16 forward, which runs that SDPA: tests/test_bf16_accuracy.py). In a step that mixes bf16
-prefills and decodes, the decodes (and the short chunks the plan turns into decodes) take the same routine and
-only the prefill chunks gather their blocks for SDPA: a decode is then computed the same way whether or not a
-prefill shares its step. In a decode-only step, :meth:`CpuPagedAttention.attend_qkv` writes
-and attends straight from each layer's fused q|k|v rows, with the routines' arguments bound once for the step
+prefills and decodes, the decodes (and the short chunks the plan turns into decodes) take the same routine: a
+decode is then computed the same way whether or not a prefill shares its step. bf16 prefill chunks run in
+:mod:`pagedllm.attention.native_prefill_bf16` on CPUs with AMX, which reads them in place and computes their
+softmax as torch's bf16 SDPA does; elsewhere they gather their blocks for SDPA. In a decode-only step,
+:meth:`CpuPagedAttention.attend_qkv` writes and attends straight from each layer's fused q|k|v rows, with the routines' arguments bound once for the step
 (:class:`pagedllm.attention.native_decode.BoundDecodes`).
 
 8-bit (fp8) caches are read without a full-precision copy of the cache: the compiled routine
@@ -51,9 +52,10 @@ import torch.nn.functional as F
 from pagedllm.kernels.reference import FP8_DTYPES, quantize_kv_ref, write_kv_ref
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.platform.cpu_memory import advise_huge_pages
-from pagedllm.attention.cpu_attention_plan import CpuAttentionPlan, DecodeBatch, PrefillChunk, SharedPrefix
+from pagedllm.attention.cpu_attention_plan import CpuAttentionPlan, DecodeBatch, PrefillChunk, SharedPrefix, StepLayout
 from pagedllm.attention.native_decode import BoundDecodes, NativeDecode
 from pagedllm.attention.native_prefill import NativePrefill
+from pagedllm.attention.native_prefill_bf16 import NativePrefillBf16
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -166,13 +168,17 @@ class CpuPagedAttention:
     With ``native`` (:func:`pagedllm.attention.native_decode.load_native_decode`), float32 and bf16 decodes
     run in the compiled routine, which reads their blocks in place; with ``native_prefill``
     (:func:`pagedllm.attention.native_prefill.load_native_prefill`), so do the float32 prefill
-    chunks the plan's crossover rule gives it. Everything else, and everything when both
-    are ``None``, runs in torch.
+    chunks the plan's crossover rule gives it; with ``native_prefill_bf16``
+    (:func:`pagedllm.attention.native_prefill_bf16.load_native_prefill_bf16`), the bf16 prefill chunks of
+    steps whose decodes ``native`` runs. Everything else, and everything when all three are ``None``, runs in
+    torch.
     """
 
-    def __init__(self, native: NativeDecode | None = None, native_prefill: NativePrefill | None = None) -> None:
+    def __init__(self, native: NativeDecode | None = None, native_prefill: NativePrefill | None = None,
+                 native_prefill_bf16: NativePrefillBf16 | None = None) -> None:
         self._native = native
         self._native_prefill = native_prefill
+        self._native_prefill_bf16 = native_prefill_bf16
         self._buffers: dict[tuple[str, torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = {}
         # The current step's plan and its decodes bound for attend_qkv (None: the step is not for it).
         self._bound: tuple[object, BoundDecodes | None] = (None, None)
@@ -267,28 +273,42 @@ class CpuPagedAttention:
                 or not qkv.is_contiguous() or not (k_cache.dtype == v_cache.dtype == qkv.dtype)
                 or not (_is_head_major(k_cache) and _is_head_major(v_cache))):
             return None
-        layout = plan.layout(k_cache.shape[1], qkv.dtype, True)  # the layout attend takes in a bf16 step too
+        layout = self._layout_for(plan, k_cache, qkv.dtype)  # the layout attend derives for the step
         decodes = layout.native_decodes
         if decodes is None or len(decodes.rows) != qkv.shape[0]:  # some tokens are prefills: the routine is not theirs
             return None
         bound = self._native.bind(decodes, metadata.slot_mapping, qkv, k_cache, num_heads, scale)
         return bound if bound.fits(qkv, k_cache, v_cache, scale) else None
 
+    def _layout_for(self, plan: CpuAttentionPlan, k_cache: torch.Tensor, dtype: torch.dtype) -> StepLayout:
+        """The layout of a step whose decodes the compiled routine runs: a bf16 step gives its prefill chunks to
+        the AMX routine where that is built and takes the shapes."""
+        amx = dtype == torch.bfloat16 and self._amx_fits(k_cache)
+        return plan.layout(k_cache.shape[1], dtype, True, amx, amx)
+
+    def _amx_fits(self, k_cache: torch.Tensor) -> bool:
+        return self._native_prefill_bf16 is not None and self._native_prefill_bf16.fits(k_cache.shape[3],
+                                                                                        k_cache.shape[1])
+
     def _attend_bf16(self, native: NativeDecode, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      plan: CpuAttentionPlan, scale: float) -> torch.Tensor:
         """A bf16 step: its decodes in the compiled routine, which widens the bf16 queries and blocks to float32
         (exact) as it reads them in place, sums in float32 and rounds each output to bf16 once, as torch's bf16
         SDPA does, reading and writing the bf16 rows itself (no float32 copy of them is made here); its prefill
-        chunks, if any, in SDPA over their gathered blocks. A step of decodes gathers nothing."""
+        chunks in the AMX routine (:mod:`pagedllm.attention.native_prefill_bf16`), which reads them in place too,
+        or, where that cannot run, in SDPA over their gathered blocks. A step of decodes gathers nothing."""
         num_tokens, num_heads, head_dim = q.shape
-        layout = plan.layout(k_cache.shape[1], torch.bfloat16, True)
+        layout = self._layout_for(plan, k_cache, torch.bfloat16)
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+        # The routines read query rows at any row stride (q is usually a view of the fused q|k|v rows).
+        rows = q if q.stride()[1:] == (head_dim, 1) else q.contiguous()
         if layout.native_decodes is not None:  # None for a step of prefills only
             lse = self._reused(("lse", torch.float32, q.device, ()), num_tokens * num_heads).view(num_tokens,
                                                                                                   num_heads)
-            # The routine reads query rows at any row stride (q is usually a view of the fused q|k|v rows).
-            rows = q if q.stride()[1:] == (head_dim, 1) else q.contiguous()
             native(rows, _head_major(k_cache), _head_major(v_cache), layout.native_decodes, scale, out, lse)
+        if layout.native_prefills is not None and self._native_prefill_bf16 is not None:
+            self._native_prefill_bf16(rows, _head_major(k_cache), _head_major(v_cache), layout.native_prefills,
+                                      scale, out)
         if layout.prefills:
             keys = self._gather("k", k_cache, layout.block_ids, None, q.dtype)
             values = self._gather("v", v_cache, layout.block_ids, None, q.dtype)
