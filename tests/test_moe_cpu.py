@@ -16,6 +16,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.layers import moe_cpu
 from pagedllm.layers.moe import SparseMoeBlock
 from pagedllm.layers.cpu_linear import packed_linear_choice
+from pagedllm.layers.moe_bf16 import load_native_moe_bf16
 from pagedllm.layers.moe_cpu import NativeMoe, load_native_moe
 from pagedllm.layers.moe_onednn import OneDnnExperts
 
@@ -147,11 +148,16 @@ def test_bf16_experts_refuse_ids_and_routings_that_do_not_fit(onednn_bf16: None)
     assert experts(hidden[:0], weights[:0], ids[:0]).shape == (0, hidden.shape[1])
 
 
-def test_the_blocks_of_a_bf16_cpu_model_run_their_experts_on_packed_weights(
-        onednn_bf16: None, tiny_model_dir: Callable[[str], Path]) -> None:
-    with LLM(str(tiny_model_dir("qwen2_moe")), dtype="bfloat16") as llm:
-        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2, temperature=0.0))
-        blocks = [m for m in llm.engine.model.modules() if isinstance(m, SparseMoeBlock)]
-    assert blocks and all(block._onednn is not None and block._packed is None for block in blocks)
+def test_without_the_compiled_bf16_routine_the_blocks_run_their_experts_on_onednn(
+        onednn_bf16: None, tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(moe_cpu.SWITCH_ENV, "0")  # as on a CPU without avx512_bf16, or with no compiler
+    load_native_moe_bf16.cache_clear()
+    try:
+        with LLM(str(tiny_model_dir("qwen2_moe")), dtype="bfloat16") as llm:
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2, temperature=0.0))
+            blocks = [m for m in llm.engine.model.modules() if isinstance(m, SparseMoeBlock)]
+    finally:
+        load_native_moe_bf16.cache_clear()
+    assert blocks and all(block._onednn is not None and block._bf16 is None for block in blocks)
     # The packed experts are the only copy left.
     assert all(block.w_gate_up.numel() == block.w_down.numel() == 0 for block in blocks)
