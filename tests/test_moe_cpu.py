@@ -90,15 +90,17 @@ def test_bad_inputs_are_refused_naming_them(native: NativeMoe) -> None:
 def test_the_blocks_of_a_float32_cpu_model_run_it_on_weights_packed_once(
         native: NativeMoe, tiny_model_dir: Callable[[str], Path]) -> None:
     with LLM(str(tiny_model_dir("qwen2_moe")), dtype="float32") as llm:
-        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2, temperature=0.0))
         blocks = [m for m in llm.engine.model.modules() if isinstance(m, SparseMoeBlock)]
+        w_gate_up, w_down = blocks[0].w_gate_up.clone(), blocks[0].w_down.clone()
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2, temperature=0.0))
     assert blocks and all(block._packed is not None for block in blocks)
+    # The packed experts are the only copy left (kept beside them, a second copy doubled the experts' memory).
+    assert all(block.w_gate_up.numel() == block.w_down.numel() == 0 for block in blocks)
     block = blocks[0]
-    hidden = torch.randn(7, block.w_gate_up.shape[2], generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(7, w_gate_up.shape[2], generator=torch.Generator().manual_seed(0))
     weights, ids = block.route(hidden)
     torch.testing.assert_close(native.run(hidden, block._packed, weights, ids),
-                               fused_moe_ref(hidden, block.w_gate_up, block.w_down, weights, ids),
-                               rtol=2e-5, atol=2e-5)
+                               fused_moe_ref(hidden, w_gate_up, w_down, weights, ids), rtol=2e-5, atol=2e-5)
 
 
 @needs_cc

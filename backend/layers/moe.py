@@ -95,6 +95,7 @@ class SparseMoeBlock(nn.Module):
         if native is not None and native.applies(x, self.w_gate_up):
             if self._packed is None:
                 self._packed = pack_experts(self.w_gate_up, self.w_down)
+                self._empty_expert_parameters()
             return native.run(x, self._packed, weights, ids)
         if self._bf16 is None and self._onednn is None and Bf16Experts.applies(x, self.w_gate_up):
             routine = load_native_moe_bf16()
