@@ -20,8 +20,6 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "../platform/exp_nonpositive.h"
-
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -173,17 +171,35 @@ int pagedllm_moe_bf16_kernels(void) {
 typedef void (*product_fn)(const uint16_t*, int64_t, int, const uint16_t*, const uint16_t*, int64_t,
                            float (*)[2 * TILE_N]);
 
+/* exp(x) for 16 floats, x clamped to [-87, 88] (where exp is a normal float): x = n ln2 + r, |r| <= ln2 / 2,
+ * exp(r) by the polynomial of platform/exp_nonpositive.h, times 2^n by vscalefps. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f),
+                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x));
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* act[r][i] = bf16(silu(gate[r][i]) * up[r][i]) for the 16 columns of one block; gate and up are the halves of
- * each row of c. exp is taken of -|g| only (exp_nonpositive's domain). */
+ * each row of c. One 16-float vector per row, in intrinsics: written as a loop, gcc vectorized it 8 floats wide,
+ * and this epilogue then cost a prefill's gate|up phase a fifth of its time. sigmoid(g) = 1 / (1 + exp(-g)) stays finite
+ * at both ends (exp16 clamps), so no branch on the sign is needed; the bf16 rounding is vcvtneps2bf16's (to
+ * nearest even; it flushes subnormal activations to zero). */
 static void silu_mul_rows(const float (*c)[2 * TILE_N], int m, uint16_t* act, int64_t act_stride) {
+    const __m512 one = _mm512_set1_ps(1.0f);
     for (int r = 0; r < m; ++r) {
-        uint16_t* out = act + r * act_stride;
-#pragma omp simd
-        for (int i = 0; i < TILE_N; ++i) {
-            const float g = c[r][i];
-            const float e = exp_nonpositive(g < 0.0f ? g : -g);
-            out[i] = float_to_bf16(g * ((g < 0.0f ? e : 1.0f) / (1.0f + e)) * c[r][TILE_N + i]);
-        }
+        const __m512 g = _mm512_loadu_ps(c[r]);
+        const __m512 sigmoid = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        const __m256bh out = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_mul_ps(g, sigmoid), _mm512_loadu_ps(c[r] + TILE_N)));
+        _mm256_storeu_si256((__m256i*)(act + r * act_stride), (__m256i)out);
     }
 }
 #endif
