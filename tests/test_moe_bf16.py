@@ -7,6 +7,7 @@ within ``TOLERANCE`` of the output's largest magnitude, and to be no farther fro
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,8 +17,10 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels.fused_moe_reference import fused_moe_ref
 from pagedllm.layers.moe import SparseMoeBlock
+from pagedllm.layers import moe_bf16
 from pagedllm.layers.moe_bf16 import Bf16Experts, NativeMoeBf16, load_native_moe_bf16, pack_tiles
 from pagedllm.layers.moe_cpu import SWITCH_ENV
+from pagedllm.platform.native_build import CACHE_ENV, load_library
 
 from test_fused_moe import CASES, Case, make_inputs
 from test_moe_cpu import WIDE_CASES
@@ -121,3 +124,15 @@ def test_the_blocks_of_a_bf16_cpu_model_run_it_on_weights_packed_once(
     assert blocks and all(block._bf16 is not None and block._onednn is None for block in blocks)
     # The packed experts are the only copy left.
     assert all(block.w_gate_up.numel() == block.w_down.numel() == 0 for block in blocks)
+
+
+def test_built_for_a_cpu_without_avx512_bf16_it_offers_no_kernel(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Such a build compiles (the routine is a stub there) and reports nothing, so the loader returns None and the
+    block keeps its oneDNN experts."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    library = load_library(moe_bf16.SOURCE, SWITCH_ENV, "none", logging.getLogger(__name__),
+                           ("-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16"))
+    if library is None:
+        pytest.skip("no C compiler here")
+    assert library.pagedllm_moe_bf16_kernels() == 0
