@@ -117,7 +117,9 @@ static void load_tile_config(void) {
 }
 
 /* As vec_product, on tiles: rows past m are computed from whatever a holds there (finite, see the caller) and
- * not read back. */
+ * not read back. The weight tiles load with the streaming hint (tileloaddt1): each is read once per row tile, so
+ * keeping them out of L1 leaves it to the A tiles, which every column block rereads (interleaved A/B in one
+ * process: 1.07-1.13x at 512-2,048 tokens, level at 16). */
 static void amx_product(const uint16_t* a, int64_t a_stride, int m, const uint16_t* b0, const uint16_t* b1,
                         int64_t tiles, float (*c)[2 * TILE_N]) {
     const int64_t stride = a_stride * 2;
@@ -127,8 +129,8 @@ static void amx_product(const uint16_t* a, int64_t a_stride, int m, const uint16
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t t = 0; t < tiles; ++t) {
-            _tile_loadd(6, b0 + t * TILE_WORDS, 64);
-            _tile_loadd(7, b1 + t * TILE_WORDS, 64);
+            _tile_stream_loadd(6, b0 + t * TILE_WORDS, 64);
+            _tile_stream_loadd(7, b1 + t * TILE_WORDS, 64);
             _tile_loadd(4, a + t * TILE_K, stride);
             _tile_loadd(5, a + 16 * a_stride + t * TILE_K, stride);
             _tile_dpbf16ps(0, 4, 6);
@@ -140,8 +142,8 @@ static void amx_product(const uint16_t* a, int64_t a_stride, int m, const uint16
         _tile_stored(3, c[16] + TILE_N, 2 * TILE_N * 4);
     } else {
         for (int64_t t = 0; t < tiles; ++t) {
-            _tile_loadd(6, b0 + t * TILE_WORDS, 64);
-            _tile_loadd(7, b1 + t * TILE_WORDS, 64);
+            _tile_stream_loadd(6, b0 + t * TILE_WORDS, 64);
+            _tile_stream_loadd(7, b1 + t * TILE_WORDS, 64);
             _tile_loadd(4, a + t * TILE_K, stride);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
