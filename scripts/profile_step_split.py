@@ -3,7 +3,8 @@
     OMP_NUM_THREADS=1 python scripts/profile_step_split.py --model qwen2.5-0.5b --dtype bfloat16 --batch 16
 
 Wraps the parts of the step in exclusive timers (a part's time excludes the parts called inside
-it): linears, attention (write + attend), norms/rotary/SiLU, the LM head (its linear and the
+it): linears, a MoE block's router (softmax and top-k; its gate is a linear) and routed experts
+(their grouping, GEMMs unless those run as packed linears, weighting and sums), attention (write + attend), norms/rotary/SiLU, the LM head (its linear and the
 float32 cast), the sampler, the rest of the forward (embedding, residual adds, views, Python),
 and the host (everything in ``LLMEngine.step`` outside the forward and the sampler). Calls are
 synchronous on a CPU, so wall clocks are exact; the wrappers add about a microsecond per call.
@@ -26,11 +27,12 @@ from pagedllm import LLM, SamplingParams
 from pagedllm_bench.models import bench_model
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.attention import cpu_attention
-from pagedllm.layers import cpu_fused_ops, cpu_linear, norm_rotary
+from pagedllm.layers import cpu_fused_ops, cpu_linear, moe, norm_rotary
 from pagedllm.models import llama
 from pagedllm.worker import sampler
 
-PARTS = ("linears", "attention", "norms+rotary+silu", "LM head", "sampler", "forward, rest", "host")
+PARTS = ("linears", "MoE router", "MoE experts", "attention", "norms+rotary+silu", "LM head", "sampler", "forward, rest",
+         "host")
 _totals: dict[str, float] = defaultdict(float)
 _stack: list[list[float]] = []  # [start, time spent in timed children]
 
@@ -70,6 +72,8 @@ def install() -> None:
     _patch(cpu_fused_ops.CpuFusedOps, "rotate_", "norms+rotary+silu")
     _patch(cpu_fused_ops.CpuFusedOps, "silu_mul", "norms+rotary+silu")
     _patch(sampler.Sampler, "__call__", "sampler")
+    _patch(moe.SparseMoeBlock, "route", "MoE router")  # its gate linear counts as a linear
+    _patch(moe.SparseMoeBlock, "_cpu_experts", "MoE experts")  # grouping, both GEMMs, weighting, scatter
 
 
 def measure(engine: Any) -> dict[str, float]:

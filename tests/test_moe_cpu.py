@@ -16,6 +16,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.layers import moe_cpu
 from pagedllm.layers.moe import SparseMoeBlock
 from pagedllm.layers.cpu_linear import packed_linear_choice
+from pagedllm.layers.moe_bf16 import load_native_moe_bf16
 from pagedllm.layers.moe_cpu import NativeMoe, load_native_moe
 from pagedllm.layers.moe_onednn import OneDnnExperts
 
@@ -89,15 +90,17 @@ def test_bad_inputs_are_refused_naming_them(native: NativeMoe) -> None:
 def test_the_blocks_of_a_float32_cpu_model_run_it_on_weights_packed_once(
         native: NativeMoe, tiny_model_dir: Callable[[str], Path]) -> None:
     with LLM(str(tiny_model_dir("qwen2_moe")), dtype="float32") as llm:
-        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2, temperature=0.0))
         blocks = [m for m in llm.engine.model.modules() if isinstance(m, SparseMoeBlock)]
+        w_gate_up, w_down = blocks[0].w_gate_up.clone(), blocks[0].w_down.clone()
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2, temperature=0.0))
     assert blocks and all(block._packed is not None for block in blocks)
+    # The packed experts are the only copy left (kept beside them, a second copy doubled the experts' memory).
+    assert all(block.w_gate_up.numel() == block.w_down.numel() == 0 for block in blocks)
     block = blocks[0]
-    hidden = torch.randn(7, block.w_gate_up.shape[2], generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(7, w_gate_up.shape[2], generator=torch.Generator().manual_seed(0))
     weights, ids = block.route(hidden)
     torch.testing.assert_close(native.run(hidden, block._packed, weights, ids),
-                               fused_moe_ref(hidden, block.w_gate_up, block.w_down, weights, ids),
-                               rtol=2e-5, atol=2e-5)
+                               fused_moe_ref(hidden, w_gate_up, w_down, weights, ids), rtol=2e-5, atol=2e-5)
 
 
 @needs_cc
@@ -147,11 +150,16 @@ def test_bf16_experts_refuse_ids_and_routings_that_do_not_fit(onednn_bf16: None)
     assert experts(hidden[:0], weights[:0], ids[:0]).shape == (0, hidden.shape[1])
 
 
-def test_the_blocks_of_a_bf16_cpu_model_run_their_experts_on_packed_weights(
-        onednn_bf16: None, tiny_model_dir: Callable[[str], Path]) -> None:
-    with LLM(str(tiny_model_dir("qwen2_moe")), dtype="bfloat16") as llm:
-        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2, temperature=0.0))
-        blocks = [m for m in llm.engine.model.modules() if isinstance(m, SparseMoeBlock)]
-    assert blocks and all(block._onednn is not None and block._packed is None for block in blocks)
+def test_without_the_compiled_bf16_routine_the_blocks_run_their_experts_on_onednn(
+        onednn_bf16: None, tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(moe_cpu.SWITCH_ENV, "0")  # as on a CPU without avx512_bf16, or with no compiler
+    load_native_moe_bf16.cache_clear()
+    try:
+        with LLM(str(tiny_model_dir("qwen2_moe")), dtype="bfloat16") as llm:
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2, temperature=0.0))
+            blocks = [m for m in llm.engine.model.modules() if isinstance(m, SparseMoeBlock)]
+    finally:
+        load_native_moe_bf16.cache_clear()
+    assert blocks and all(block._onednn is not None and block._bf16 is None for block in blocks)
     # The packed experts are the only copy left.
     assert all(block.w_gate_up.numel() == block.w_down.numel() == 0 for block in blocks)

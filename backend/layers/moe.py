@@ -6,7 +6,8 @@ for the rule); the experts' weights are stacked per layer, gate|up as
 expert. On CUDA that is the Triton-lang fused kernel
 (:func:`pagedllm.kernels.fused_moe.fused_moe`); on the CPU in float32 a compiled
 C routine that runs every expert of a step in one call, on weights it packs once
-(:mod:`pagedllm.layers.moe_cpu`); on the CPU in bf16 each expert's GEMMs on oneDNN-packed weights
+(:mod:`pagedllm.layers.moe_cpu`); on the CPU in bf16 its bf16 twin, on AMX tiles or avx512_bf16
+(:mod:`pagedllm.layers.moe_bf16`), or where that cannot run each expert's GEMMs on oneDNN-packed weights
 (:mod:`pagedllm.layers.moe_onednn`); elsewhere the kernel's plain-torch twin, which
 groups the tokens by expert with one sort and runs each chosen expert's GEMMs on
 its own tokens. Qwen2-MoE adds a shared expert that every token runs, scaled by a
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels.fused_moe_reference import fused_moe_ref
+from pagedllm.layers.moe_bf16 import Bf16Experts, load_native_moe_bf16
 from pagedllm.layers.moe_cpu import PackedExperts, load_native_moe, pack_experts
 from pagedllm.layers.moe_onednn import OneDnnExperts
 from pagedllm.layers.moe_traits import MoeTraits
@@ -63,7 +65,8 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
         self._packed: PackedExperts | None = None  # the experts packed for the compiled CPU routine, on first use
-        self._onednn: OneDnnExperts | None = None  # the bf16 experts packed for oneDNN, on first use
+        self._bf16: Bf16Experts | None = None  # the bf16 experts packed for the compiled routine, on first use
+        self._onednn: OneDnnExperts | None = None  # the bf16 experts packed for oneDNN where that cannot run
         self.requires_grad_(False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,21 +89,33 @@ class SparseMoeBlock(nn.Module):
 
     def _cpu_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
         """The routed experts on weights packed once (on first use: the weights do not change after loading), by
-        the compiled routine in float32 or oneDNN in bf16; ``None`` where neither applies to ``x``."""
+        a compiled routine (float32, or bf16 where the CPU has avx512_bf16) or else oneDNN in bf16; ``None`` where
+        none applies to ``x``."""
         native = load_native_moe()
         if native is not None and native.applies(x, self.w_gate_up):
             if self._packed is None:
                 self._packed = pack_experts(self.w_gate_up, self.w_down)
+                self._empty_expert_parameters()
             return native.run(x, self._packed, weights, ids)
-        if self._onednn is not None or OneDnnExperts.applies(x, self.w_gate_up):
-            if self._onednn is None:
+        if self._bf16 is None and self._onednn is None and Bf16Experts.applies(x, self.w_gate_up):
+            routine = load_native_moe_bf16()
+            if routine is not None:
+                self._bf16 = Bf16Experts(routine, self.w_gate_up, self.w_down)
+            elif OneDnnExperts.applies(x, self.w_gate_up):
                 self._onednn = OneDnnExperts(self.w_gate_up, self.w_down)
-                # The packed experts replace the parameters' data: kept beside them, a second copy of every
-                # expert would double a large bf16 MoE model's memory at its first request.
-                for parameter in (self.w_gate_up, self.w_down):
-                    parameter.data = parameter.data.new_empty(0)
+            if self._bf16 is not None or self._onednn is not None:
+                self._empty_expert_parameters()
+        if self._bf16 is not None:
+            return self._bf16(x, weights, ids)
+        if self._onednn is not None:
             return self._onednn(x, weights, ids)
         return None
+
+    def _empty_expert_parameters(self) -> None:
+        """The packed experts replace the parameters' data: kept beside them, a second copy of every expert would
+        double a large MoE model's memory at its first request."""
+        for parameter in (self.w_gate_up, self.w_down):
+            parameter.data = parameter.data.new_empty(0)
 
     def checkpoint_sources(self, prefix: str, checkpoint_prefix: str) -> dict[str, ParameterSource]:
         """Where each of this block's parameters comes from (this rank's rows of it).

@@ -7,8 +7,8 @@ rows each, so at small shapes those ops, not the arithmetic, set the block's
 time. The compiled routine runs the whole routed-expert computation (grouping,
 both GEMMs, SiLU-and-multiply, the weighted sum) in one call, float32 only, on
 weights packed once per block (:func:`pack_experts`: panels of 8 output columns
-that its products stream through in order; a second copy of the expert weights,
-beside the parameters). The reference stays its oracle (tests/test_moe_cpu.py)
+that its products stream through in order; the block then empties its expert
+parameters, so the packed weights are the only copy). The reference stays its oracle (tests/test_moe_cpu.py)
 and runs wherever the routine does not apply. How it is built and cached: :mod:`pagedllm.platform.native_build`.
 
 Without a compiler, or with ``PAGEDLLM_NATIVE_MOE=0``, :func:`load_native_moe`
