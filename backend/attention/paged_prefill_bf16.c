@@ -28,9 +28,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define HAVE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "../platform/amx_tiles.h"
 #endif
 
 #define ROWS_PER_TILE 128 /* query rows per item; a multiple of 32 (two 16-row tile columns) */
@@ -45,27 +43,8 @@ static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 #include "sdpa_softmax_bf16.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* Palette 1: every tile used is 16 rows of 64 bytes (16 float32 or 32 bf16). Tiles 0-3 hold sums, 4-5 A
- * operands, 6-7 B operands: a 2x2 block, each A and B tile feeding two products. */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config_t;
-
-static void configure_tiles(void) {
-    tile_config_t config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int i = 0; i < 8; ++i) {
-        config.colsb[i] = 64;
-        config.rows[i] = 16;
-    }
-    _tile_loadconfig(&config);
-}
+/* Tiles (amx_tiles.h's layout): 0-3 hold sums, 4-5 A operands, 6-7 B operands: a 2x2 block, each A and B tile
+ * feeding two products. */
 
 /* One thread's scratch for an item of rp (padded) rows: the queries as B tiles [head_dim / 2][rp] of bf16
  * pairs, the scores^T [KEYS_PER_TILE][rp], the probabilities^T as B tiles [KEYS_PER_TILE / 2][rp] of bf16
@@ -343,7 +322,7 @@ static void pack_values(const uint16_t* v_head, const int64_t* blocks, int64_t b
 
 int pagedllm_prefill_bf16_ready(void) {
     static int ready = -1;
-    if (ready < 0) ready = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    if (ready < 0) ready = amx_tile_data_granted();
     return ready;
 }
 
@@ -404,7 +383,7 @@ int pagedllm_paged_prefill_bf16(const uint16_t* q, int64_t q_stride, const uint1
             w.max = w.acc_t + rp_max * head_dim;
             w.sum = w.max + rp_max;
             w.positions = (int32_t*)(w.sum + rp_max);
-            configure_tiles();
+            amx_configure_tiles();
         }
         failed = !memory;
 #pragma omp for schedule(dynamic, 1)

@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "../platform/exp_nonpositive.h"
+#include "moe_sort.h"
 
 #define ROWS 4 /* input rows per tile */
 #define VECTORS 3 /* 8-float vectors of output columns per tile: ROWS x VECTORS accumulators */
@@ -118,16 +119,7 @@ int pagedllm_moe_experts_f32(const float* hidden, int64_t num_tokens, int64_t hi
                              int64_t inter, const float* topk_weights, const int64_t* topk_ids, int64_t top_k,
                              float* out, float* gate_up, int64_t* order, int64_t* starts, int threads) {
     const int64_t choices = num_tokens * top_k, width = 2 * inter;
-    memset(starts, 0, (size_t)(num_experts + 1) * sizeof *starts);
-    for (int64_t c = 0; c < choices; ++c) {
-        if (topk_ids[c] < 0 || topk_ids[c] >= num_experts) return -1;
-        ++starts[topk_ids[c] + 1];
-    }
-    for (int64_t e = 0; e < num_experts; ++e) starts[e + 1] += starts[e];
-    /* Stable counting sort: order[starts[e] + i] is the i-th choice of expert e, tokens ascending. */
-    for (int64_t c = 0; c < choices; ++c) order[starts[topk_ids[c]]++] = c;
-    for (int64_t e = num_experts; e > 0; --e) starts[e] = starts[e - 1];  /* each start was moved to its end */
-    starts[0] = 0;
+    if (sort_choices_by_expert(topk_ids, choices, num_experts, order, starts) != 0) return -1;
     const int64_t panels_gate_up = (width + 7) / 8, panels_down = (hidden_size + 7) / 8;
     const int64_t gate_blocks = (width + COLUMN_BLOCK - 1) / COLUMN_BLOCK;
     const int64_t down_blocks = (hidden_size + COLUMN_BLOCK - 1) / COLUMN_BLOCK;

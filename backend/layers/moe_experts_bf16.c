@@ -24,10 +24,10 @@
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "../platform/amx_tiles.h"
 #define HAVE_AMX 1
 #endif
+#include "moe_sort.h"
 
 #define TILE_K 32      /* inputs per tile */
 #define TILE_N 16      /* output columns per tile */
@@ -94,27 +94,8 @@ static void vec_product(const uint16_t* a, int64_t a_stride, int m, const uint16
 #endif
 
 #if defined(HAVE_AMX)
-/* Every tile is 16 rows of 64 bytes: C tiles 0-3 (rows 0-15 and 16-31, times columns 0-15 and 16-31), A tiles
- * 4-5, B tiles 6-7. The configuration is a thread's state and oneDNN loads its own, so each parallel region
- * loads this one on every thread before its first tile instruction. */
-struct tile_config {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64)));
-
-static void load_tile_config(void) {
-    struct tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        config.bytes_per_row[t] = 64;
-        config.rows[t] = 16;
-    }
-    _tile_loadconfig(&config);
-}
+/* Tiles (amx_tiles.h's layout): C tiles 0-3 (rows 0-15 and 16-31, times columns 0-15 and 16-31), A tiles 4-5,
+ * B tiles 6-7. */
 
 /* As vec_product, on tiles: rows past m are computed from whatever a holds there (finite, see the caller) and
  * not read back. The weight tiles load with the streaming hint (tileloaddt1): each is read once per row tile, so
@@ -162,7 +143,7 @@ int pagedllm_moe_bf16_kernels(void) {
 #if defined(__AVX512BF16__)
     kernels |= KERNEL_VEC;
 #if defined(HAVE_AMX)
-    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0)
+    if (amx_tile_data_granted())
         kernels |= KERNEL_AMX;
 #endif
 #endif
@@ -237,16 +218,7 @@ int pagedllm_moe_experts_bf16(const uint16_t* hidden, int64_t num_tokens, int64_
     if (kernel != KERNEL_VEC && product == vec_product) return -2;
     const int amx = product != vec_product;
     const int64_t choices = num_tokens * top_k;
-    memset(starts, 0, (size_t)(num_experts + 1) * sizeof *starts);
-    for (int64_t c = 0; c < choices; ++c) {
-        if (topk_ids[c] < 0 || topk_ids[c] >= num_experts) return -1;
-        ++starts[topk_ids[c] + 1];
-    }
-    for (int64_t e = 0; e < num_experts; ++e) starts[e + 1] += starts[e];
-    /* Stable counting sort: order[starts[e] + i] is the i-th choice of expert e, tokens ascending. */
-    for (int64_t c = 0; c < choices; ++c) order[starts[topk_ids[c]]++] = c;
-    for (int64_t e = num_experts; e > 0; --e) starts[e] = starts[e - 1]; /* each start was moved to its end */
-    starts[0] = 0;
+    if (sort_choices_by_expert(topk_ids, choices, num_experts, order, starts) != 0) return -1;
     /* The rows past the last choice feed only product rows that are never read back, but they must be finite
      * (and the inputs' padding zero): a NaN times a zero weight would still be NaN. */
     memset(grouped + choices * k_padded, 0, (size_t)ROWS * k_padded * 2);
@@ -257,7 +229,7 @@ int pagedllm_moe_experts_bf16(const uint16_t* hidden, int64_t num_tokens, int64_
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #if defined(HAVE_AMX)
-        if (amx) load_tile_config();
+        if (amx) amx_configure_tiles();
 #endif
         /* Each choice's input row, once, in grouped order, so an expert's rows are one dense A matrix. */
 #pragma omp for schedule(static)
