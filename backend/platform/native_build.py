@@ -10,10 +10,10 @@ second and not the ~35 s a torch C++ extension takes.
 ``-ffast-math`` is never used: on gcc < 13 it links crtfastmath.o, which flips
 the whole process to flush-to-zero when the library is loaded.
 ``-fno-trapping-math`` is: it changes no value, only lets gcc assume nobody reads
-the floating-point exception flags, and without it gcc 12 leaves every loop with
-a select (``x < c ? c : x``) scalar on AVX2-only CPUs (AVX-512's masked moves
-vectorize them anyway), which kept SiLU-and-multiply and the decode routine's
-softmax at one element per instruction on such CPUs.
+the floating-point exception flags. Without it, gcc 12 on an AVX2-only CPU keeps a
+select such as ``x < c ? c : x`` a branch, which leaves its loop scalar (AVX-512's
+masked moves vectorize it either way): SiLU-and-multiply and the decode routine's
+softmax ran one element at a time on such CPUs.
 """
 from __future__ import annotations
 
