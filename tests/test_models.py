@@ -27,7 +27,9 @@ from pagedllm.models.llama import Attention
 from pagedllm.platform.cpu_dtypes import native_cpu_dtypes, unsupported_cpu_dtype_message
 from pagedllm.layers import cpu_linear
 from pagedllm.layers.norm_rotary import MAX_ROTARY_TABLE_VALUES, RotaryEmbedding
-from pagedllm.layers.cpu_linear import SWITCH_ENV, MklPackedLinear, OneDnnLinear, PackedLinear, packed_linear_choice
+from pagedllm.layers.cpu_linear import (SWITCH_ENV, MklPackedLinear, NativeLinear, OneDnnLinear, PackedLinear,
+                                        packed_linear_choice)
+from pagedllm.layers.native_gemm import load_native_gemm
 
 ARCHES = ["llama", "mistral", "qwen2", "qwen3"]
 # The production CPU attention, and the kernels' oracle it must agree with.
@@ -37,8 +39,8 @@ NUM_BLOCKS = 24
 CPU = torch.device("cpu")
 # Logits here reach ~12. F.linear (transformers' MKL sgemm) and packed GEMMs (our CPU linears) add in
 # different orders: swapping oneDNN in for F.linear inside transformers' own forward moves them by
-# 1.2e-4. MKL's packed GEMM (the default) and the unpacked path stay within the old 1e-4.
-ATOL = {"mkl-packed": 1e-4, "onednn": 2.5e-4, "mkl": 1e-4}
+# 1.2e-4, and our native GEMM's order by as much. MKL's packed GEMM and the unpacked path stay within the old 1e-4.
+ATOL = {"native": 2.5e-4, "mkl-packed": 1e-4, "onednn": 2.5e-4, "mkl": 1e-4}
 UNWRITTEN = 1e4
 
 
@@ -118,9 +120,11 @@ def load(model_dir: Path, dtype: torch.dtype = torch.float32, backend: str = "to
     return load_model(model_dir, dtype, CPU, attention_backend_named(backend))
 
 
-@pytest.fixture(params=["onednn", "mkl-packed", "mkl"])
+@pytest.fixture(params=["native", "onednn", "mkl-packed", "mkl"])
 def linears(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Which CPU linears the models load with: packed for oneDNN (the default) or MKL, or plain F.linear."""
+    """Which CPU linears the models load with: packed for our GEMM, oneDNN or MKL, or plain F.linear."""
+    if request.param == "native" and load_native_gemm() is None:
+        pytest.skip("the native float32 GEMM does not build on this CPU")
     monkeypatch.setenv(SWITCH_ENV, request.param)
     return request.param
 
@@ -190,7 +194,7 @@ def test_cpu_decode_steps_attend_from_the_fused_rows_in_every_arch(arch: str,
         run_step(model, caches, [(seq, 1)])
     assert taken == [True] * 3 * model.num_layers
     torch.testing.assert_close(torch.cat(seq.logits), reference_logits(model_dir, seq.tokens), atol=ATOL["onednn"],
-                               rtol=0)
+                               rtol=0)  # the loosest, whichever linears are the default here
 
 
 def test_model_reports_cache_geometry(tiny_model_dir: Callable[[str], Path]) -> None:
@@ -247,7 +251,7 @@ def test_cpu_linears_are_packed_unless_switched_off(tiny_model_dir: Callable[[st
     def kinds(model: CausalLM) -> set[type]:
         return {type(module) for module in model.modules() if isinstance(module, (nn.Linear, PackedLinear))}
 
-    expected = {"mkl-packed": MklPackedLinear, "onednn": OneDnnLinear, "mkl": nn.Linear}[linears]
+    expected = {"native": NativeLinear, "mkl-packed": MklPackedLinear, "onednn": OneDnnLinear, "mkl": nn.Linear}[linears]
     assert kinds(load(tiny_model_dir("qwen3"))) == {expected}
     # bf16 packs for oneDNN (MKL packs float32 only) where the CPU computes bf16; "mkl" keeps F.linear.
     bf16_native = torch.bfloat16 in native_cpu_dtypes()
@@ -282,7 +286,7 @@ def test_an_unknown_cpu_linear_choice_is_refused(tiny_model_dir: Callable[[str],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SWITCH_ENV, "openblas")
     with pytest.raises(ValueError,
-                       match="PAGEDLLM_CPU_LINEAR='openblas' is invalid: expected one of onednn, mkl-packed, mkl"):
+                       match="PAGEDLLM_CPU_LINEAR='openblas' is invalid: expected one of native, onednn, mkl-packed, mkl"):
         load(tiny_model_dir("llama"))
 
 

@@ -1,10 +1,17 @@
-"""CPU linears with weights packed once at load time, for oneDNN (float32 and bfloat16) or MKL (float32).
+"""CPU linears with weights packed once at load time: for oneDNN (float32 and bfloat16), MKL or our own GEMM (float32).
 
 ``F.linear`` (MKL sgemm) re-lays out the weight on every call and is slow for
 the few rows a decode step has once most requests of a batch are done. Packing
 the weight once for the GEMM library removes that work:
 
-- ``onednn`` (the default): torch's ``mkldnn._linear_pointwise`` on a oneDNN-packed
+- ``native`` (the float32 default on a CPU with AVX2 but no AVX-512): our own GEMM on a
+  weight packed in 16-column panels (:mod:`pagedllm.layers.native_gemm`). On such a CPU
+  (an AMD EPYC of the Zen 3 kind), oneDNN runs the 1-64-row products of decode steps below
+  both the core's FMA rate and its memory bandwidth; the packed panels ran them 1.1-1.5x
+  faster, and prefill-sized products level or faster (``scripts/ab_fp32_linear.py``;
+  RESULTS.md, "Figures behind the code's choices"). It is not measured against oneDNN's
+  AVX-512 kernels, so CPUs with AVX-512 keep oneDNN; the switch picks it anywhere it builds.
+- ``onednn`` (the default elsewhere): torch's ``mkldnn._linear_pointwise`` on a oneDNN-packed
   weight, the packing vLLM's CPU backend uses. Over a model's whole body of float32
   linears, on the benchmark models' shapes and on Qwen2.5-0.5B's, it runs faster
   than MKL's packed GEMM at every row count from a few rows up to prefill sizes,
@@ -20,8 +27,8 @@ the weight once for the GEMM library removes that work:
 Packed results differ from ``F.linear`` by float32 rounding: the sums run in
 another order. The engine already feeds MKL different row counts than transformers
 does, so bit equality was never given; the token-exact tests, which allow exact
-top-two ties only, pass with each of the three. ``PAGEDLLM_CPU_LINEAR`` picks one
-of the three for float32.
+top-two ties only, pass with each of the four. ``PAGEDLLM_CPU_LINEAR`` picks one
+of the four for float32.
 
 bfloat16 linears (on a CPU that computes bf16 natively, :mod:`pagedllm.platform.cpu_dtypes`)
 always take the oneDNN packing, unless ``PAGEDLLM_CPU_LINEAR=mkl`` keeps plain ``F.linear``:
@@ -41,13 +48,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pagedllm.layers.native_gemm import NativeGemm, load_native_gemm
 from pagedllm.platform.cpu_dtypes import native_cpu_dtypes
 from pagedllm.platform.cpu_memory import advise_huge_pages
 
 logger = logging.getLogger(__name__)
 
 SWITCH_ENV = "PAGEDLLM_CPU_LINEAR"
-CHOICES = ("onednn", "mkl-packed", "mkl")  # the first is the default; "mkl" is plain F.linear
+CHOICES = ("native", "onednn", "mkl-packed", "mkl")  # "mkl" is plain F.linear; the default: _float32_default
 
 # CBLAS enum values (mkl_cblas.h).
 _ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
@@ -109,6 +117,21 @@ class MklPackedLinear(PackedLinear):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
+class NativeLinear(PackedLinear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, bias)
+        gemm = load_native_gemm()
+        if gemm is None:
+            raise RuntimeError("the native float32 GEMM does not build on this machine (see the warning above)")
+        self._gemm: NativeGemm = gemm
+        self.packed = torch.empty(gemm.packed_numel(self.out_features, self.in_features), dtype=torch.float32)
+        advise_huge_pages(self.packed)  # before packing writes it, as for MKL's packing
+        gemm.pack(weight.detach(), self.packed)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gemm.product(x, self.packed, self.in_features, self.out_features)
+
+
 class OneDnnLinear(PackedLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(weight, bias)
@@ -127,10 +150,10 @@ def packed_linear_choice(dtype: torch.dtype, device: torch.device) -> str | None
 
     ``ValueError`` for an unknown ``PAGEDLLM_CPU_LINEAR``.
     """
-    choice = os.environ.get(SWITCH_ENV) or CHOICES[0]
-    if choice not in CHOICES:
-        raise ValueError(f"{SWITCH_ENV}={choice!r} is invalid: expected one of {', '.join(CHOICES)}")
-    if device.type != "cpu" or choice == "mkl":
+    chosen = os.environ.get(SWITCH_ENV)
+    if chosen and chosen not in CHOICES:
+        raise ValueError(f"{SWITCH_ENV}={chosen!r} is invalid: expected one of {', '.join(CHOICES)}")
+    if device.type != "cpu" or chosen == "mkl":
         return None
     onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     if dtype == torch.bfloat16:
@@ -138,6 +161,9 @@ def packed_linear_choice(dtype: torch.dtype, device: torch.device) -> str | None
         return "onednn" if onednn and torch.bfloat16 in native_cpu_dtypes() else None
     if dtype != torch.float32:
         return None
+    choice = chosen or _float32_default()
+    if choice == "native" and load_native_gemm() is None:
+        choice = "onednn"  # load_native_gemm has warned
     if choice == "onednn" and not onednn:
         choice = "mkl-packed" if _mkl() is not None else None
         logger.warning("torch has no oneDNN packed linear here: float32 CPU linears use %s",
@@ -151,7 +177,8 @@ def packed_linear_choice(dtype: torch.dtype, device: torch.device) -> str | None
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, choice: str) -> PackedLinear:
     """``weight`` (and ``bias``) packed for ``choice``, one of :func:`packed_linear_choice`'s answers."""
-    return MklPackedLinear(weight, bias) if choice == "mkl-packed" else OneDnnLinear(weight, bias)
+    kinds: dict[str, type[PackedLinear]] = {"native": NativeLinear, "mkl-packed": MklPackedLinear}
+    return kinds.get(choice, OneDnnLinear)(weight, bias)
 
 
 def pack_linears(model: nn.Module, choice: str) -> None:
@@ -163,6 +190,16 @@ def pack_linears(model: nn.Module, choice: str) -> None:
              if isinstance(child, nn.Linear)]
     for parent, name, child in swaps:
         setattr(parent, name, packed_linear(child.weight, child.bias, choice))
+
+
+def _float32_default() -> str:
+    """``native`` where the CPU has AVX2 but not AVX-512, the kind of CPU it was measured faster on; else
+    ``onednn``."""
+    def probe(name: str) -> bool:
+        found = getattr(torch.cpu, name, None)
+        return bool(found()) if found is not None else False
+
+    return "native" if probe("_is_avx2_supported") and not probe("_is_avx512_supported") else "onednn"
 
 
 @functools.cache

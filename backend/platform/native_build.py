@@ -33,11 +33,11 @@ FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-fPIC", "-sh
 BUILD_TIMEOUT_S = 120
 
 
-def load_library(source: Path, switch_env: str, fallback: str, log: logging.Logger,
+def load_library(source: Path, switch_env: str | None, fallback: str, log: logging.Logger,
                  extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """``source`` compiled and loaded, or ``None``: when ``switch_env`` is "0" (silently), or with one
+    """``source`` compiled and loaded, or ``None``: when ``switch_env`` (if any) is "0" (silently), or with one
     warning on ``log`` that ends with ``fallback`` (what runs instead) when no compiler builds it."""
-    if os.environ.get(switch_env) == "0":
+    if switch_env is not None and os.environ.get(switch_env) == "0":
         return None
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
