@@ -7,10 +7,10 @@ the weight once for the GEMM library removes that work:
 - ``native`` (the float32 default on a CPU with AVX2 but no AVX-512): our own GEMM on a
   weight packed in 16-column panels (:mod:`pagedllm.layers.native_gemm`). On such a CPU
   (an AMD EPYC of the Zen 3 kind), oneDNN runs the 1-64-row products of decode steps below
-  both the core's FMA rate and its memory bandwidth; the packed panels ran them 1.1-1.5x
-  faster, and prefill-sized products level or faster (``scripts/ab_fp32_linear.py``;
-  RESULTS.md, "Figures behind the code's choices"). It is not measured against oneDNN's
-  AVX-512 kernels, so CPUs with AVX-512 keep oneDNN; the switch picks it anywhere it builds.
+  both the core's FMA rate and its memory bandwidth; the packed panels run them faster,
+  and prefill-sized products about level (``scripts/ab_fp32_linear.py``; RESULTS.md, "Our
+  own float32 GEMM on the AVX2-only EPYC"). It is not measured against oneDNN's AVX-512
+  kernels, so CPUs with AVX-512 keep oneDNN; the switch picks it anywhere it builds.
 - ``onednn`` (the default elsewhere): torch's ``mkldnn._linear_pointwise`` on a oneDNN-packed
   weight, the packing vLLM's CPU backend uses. Over a model's whole body of float32
   linears, on the benchmark models' shapes and on Qwen2.5-0.5B's, it runs faster
