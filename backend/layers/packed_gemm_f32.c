@@ -67,6 +67,12 @@ static void pack_rows(const float* x, int64_t k, int64_t first, int64_t rows, in
     static void tile_##R(int64_t kc, const float* a, const float* b, float* out, int64_t ldo, int add,      \
                          int columns) {                                                                        \
         __m256 lo[R], hi[R];                                                                                  \
+        /* A prefill's output is too big for the caches and is read back once per k chunk: asked for now,   \
+         * its lines arrive while the k loop runs instead of stalling the adds and stores after it. */       \
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                                 \
+            _mm_prefetch((const char*)(out + r * ldo), _MM_HINT_T0);                                          \
+            _mm_prefetch((const char*)(out + r * ldo + NR - 1), _MM_HINT_T0);                                 \
+        }                                                                                                     \
         _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();             \
         for (int64_t kk = 0; kk < kc; kk++) {                                                                 \
             __m256 b0 = _mm256_loadu_ps(b + kk * NR), b1 = _mm256_loadu_ps(b + kk * NR + 8);                    \
