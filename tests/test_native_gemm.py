@@ -25,10 +25,12 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return F.linear(x.double(), weight.double(), None if bias is None else bias.double()).float()
 
 
-# Rows on both sides of the 6-row tile and of the small-row order's 64; features on both sides of the 256-long
-# k chunk; outputs on both sides of the 16-column panel.
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 65, 200])
-@pytest.mark.parametrize(("in_features", "out_features"), [(1, 1), (7, 15), (256, 16), (300, 17), (513, 70)])
+# Rows on both sides of the 6-row tile and of the small-row order's 64, and every row count that runs panels side
+# by side; features on both sides of the 256-long k chunk; outputs on both sides of the 16-column panel, and
+# with whole groups of side-by-side panels before a short last group (200 columns: 12 panels and a partial one).
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 64, 65, 200])
+@pytest.mark.parametrize(("in_features", "out_features"),
+                         [(1, 1), (7, 15), (256, 16), (300, 17), (513, 70), (300, 200)])
 def test_products_match_float64(rows: int, in_features: int, out_features: int, two_threads: None) -> None:
     generator = torch.Generator().manual_seed(rows * 1000 + in_features)
     weight = torch.randn(out_features, in_features, generator=generator)
@@ -57,6 +59,8 @@ def test_a_row_comes_out_the_same_in_any_batch_and_with_any_thread_count() -> No
         torch.set_num_threads(before)
     assert torch.equal(alone, batched[0:150:37])
     assert torch.equal(linear(x[:40]), batched[:40])  # the small-row order against the large-row one
+    for rows in range(1, 7):  # each side-by-side panel tile, and the register tile at 6
+        assert torch.equal(linear(x[:rows]), batched[:rows])
 
 
 def test_leading_dimensions_and_empty_input_keep_their_shape() -> None:

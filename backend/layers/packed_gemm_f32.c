@@ -15,7 +15,9 @@
  * Two loop orders, by the number of rows:
  * - up to SMALL_ROWS (decode steps): x is packed whole, and each thread walks its own panels from first
  *   to last, so the weight streams from memory once, in order, and each 16-column chunk of it is
- *   reused from L1 by every 6-row block of x.
+ *   reused from L1 by every 6-row block of x. Up to 5 rows, a tile runs several panels side by side
+ *   (PANELS_AT_ONCE): with so few FMAs per weight line, one panel's stream leaves the core waiting on
+ *   memory, and several streams in flight read the weight faster.
  * - more rows (prefill chunks): the GotoBLAS order. For each 256-long k chunk, each run of 64 of a
  *   thread's panels and each 96-row block of x, that block is packed (it then sits in L2) and run
  *   against those panels, whose chunks stay in cache across the row blocks.
@@ -117,6 +119,61 @@ static void tile(int rows, int64_t kc, const float* a, const float* b, float* ou
     }
 }
 
+/* R rows (1 to 5) against P whole panels side by side over kc, panel j at b + j * panel_stride:
+ * out (row stride ldo) = (add ? out : 0) + a . b. The same sums in the same order as tile(), so a row's
+ * output does not depend on the loop that computed it. From 3 rows on, the 2 * R * P accumulators
+ * outnumber the registers and some live in L1; while the weight comes from memory that costs less than
+ * the streams gain. */
+#define PANELS_TILE(R, P)                                                                                     \
+    static void panels_##R(int64_t kc, const float* a, const float* b, int64_t panel_stride, float* out,     \
+                           int64_t ldo, int add) {                                                            \
+        __m256 lo[P][R], hi[P][R];                                                                            \
+        _Pragma("GCC unroll 6") for (int j = 0; j < P; j++)                                                   \
+            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) lo[j][r] = hi[j][r] = _mm256_setzero_ps();   \
+        for (int64_t kk = 0; kk < kc; kk++) {                                                                 \
+            _Pragma("GCC unroll 6") for (int j = 0; j < P; j++) {                                             \
+                __m256 b0 = _mm256_loadu_ps(b + j * panel_stride + kk * NR);                                  \
+                __m256 b1 = _mm256_loadu_ps(b + j * panel_stride + kk * NR + 8);                              \
+                _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                         \
+                    __m256 ar = _mm256_broadcast_ss(a + kk * MR + r);                                         \
+                    lo[j][r] = _mm256_fmadd_ps(ar, b0, lo[j][r]);                                             \
+                    hi[j][r] = _mm256_fmadd_ps(ar, b1, hi[j][r]);                                             \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+        _Pragma("GCC unroll 6") for (int j = 0; j < P; j++)                                                   \
+            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                             \
+                float* row = out + r * ldo + j * NR;                                                          \
+                if (add) {                                                                                    \
+                    lo[j][r] = _mm256_add_ps(_mm256_loadu_ps(row), lo[j][r]);                                 \
+                    hi[j][r] = _mm256_add_ps(_mm256_loadu_ps(row + 8), hi[j][r]);                             \
+                }                                                                                             \
+                _mm256_storeu_ps(row, lo[j][r]);                                                              \
+                _mm256_storeu_ps(row + 8, hi[j][r]);                                                          \
+            }                                                                                                 \
+    }
+PANELS_TILE(1, 6) PANELS_TILE(2, 3) PANELS_TILE(3, 3) PANELS_TILE(4, 3) PANELS_TILE(5, 2)
+
+/* Panels a small-row tile runs side by side, by the number of rows: the P of each PANELS_TILE above, and 1
+ * (the register tile alone) at 6 rows and for blocks of a larger x, where more accumulators cost more
+ * than the streams gain (RESULTS.md says what was measured). */
+static const int PANELS_AT_ONCE[MR + 1] = {1, 6, 3, 3, 3, 2, 1};
+
+/* All `rows` (at most 5) rows of x, packed for k range [k0, k0 + kc) at a, against PANELS_AT_ONCE[rows]
+ * whole panels from panel p. */
+static void panel_group(int rows, int64_t kc, const float* a, const float* packed, int64_t k, int64_t k0,
+                        int64_t n, int64_t p, float* out) {
+    const float* b = packed + (p * k + k0) * NR;
+    out += p * NR;
+    switch (rows) {
+    case 1: panels_1(kc, a, b, k * NR, out, n, k0 > 0); break;
+    case 2: panels_2(kc, a, b, k * NR, out, n, k0 > 0); break;
+    case 3: panels_3(kc, a, b, k * NR, out, n, k0 > 0); break;
+    case 4: panels_4(kc, a, b, k * NR, out, n, k0 > 0); break;
+    default: panels_5(kc, a, b, k * NR, out, n, k0 > 0); break;
+    }
+}
+
 /* Rows [first, first + rows) of x, packed for k range [k0, k0 + kc) at a, against panels [p0, p1). */
 static void row_block(const float* a, int64_t first, int64_t rows, int64_t k, int64_t k0, int64_t kc,
                       const float* packed, int64_t n, int64_t p0, int64_t p1, float* out) {
@@ -145,11 +202,19 @@ int pagedllm_gemm_f32(const float* x, int64_t m, int64_t k, const float* packed,
 #pragma omp for schedule(static)
             for (int64_t c = 0; c < chunks; c++)
                 pack_rows(x, k, 0, m, c * KC, min64(KC, k - c * KC), a + c * blocks * MR * KC);
+            int64_t group = m <= MR ? PANELS_AT_ONCE[m] : 1, groups = (panels + group - 1) / group;
 #pragma omp for schedule(static)
-            for (int64_t p = 0; p < panels; p++)
-                for (int64_t c = 0; c < chunks; c++)
-                    row_block(a + c * blocks * MR * KC, 0, m, k, c * KC, min64(KC, k - c * KC), packed, n, p, p + 1,
-                              out);
+            for (int64_t g = 0; g < groups; g++) {
+                int64_t p = g * group, q = min64(p + group, panels);
+                for (int64_t c = 0; c < chunks; c++) {
+                    int64_t k0 = c * KC, kc = min64(KC, k - k0);
+                    /* A last group short of panels, or with a partial panel, takes the register tile. */
+                    if (group > 1 && q - p == group && q * NR <= n)
+                        panel_group((int)m, kc, a + c * blocks * MR * KC, packed, k, k0, n, p, out);
+                    else
+                        row_block(a + c * blocks * MR * KC, 0, m, k, k0, kc, packed, n, p, q, out);
+                }
+            }
         }
         free(a);
         return 0;
