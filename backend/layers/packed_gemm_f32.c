@@ -17,7 +17,8 @@
  *   to last, so the weight streams from memory once, in order, and each 16-column chunk of it is
  *   reused from L1 by every 6-row block of x. Up to 5 rows, a tile runs several panels side by side
  *   (PANELS_AT_ONCE): with so few FMAs per weight line, one panel's stream leaves the core waiting on
- *   memory, and several streams in flight read the weight faster.
+ *   memory, and several streams in flight read the weight faster. From 6 rows, the first 6-row block of
+ *   each chunk asks for the next chunk into L2 while it multiplies.
  * - more rows (prefill chunks): the GotoBLAS order. For each 256-long k chunk, each run of 64 of a
  *   thread's panels and each 96-row block of x, that block is packed (it then sits in L2) and run
  *   against those panels, whose chunks stay in cache across the row blocks.
@@ -64,10 +65,11 @@ static void pack_rows(const float* x, int64_t k, int64_t first, int64_t rows, in
 }
 
 /* R rows (a constant in each instance, so the accumulators stay in registers) of 16 columns over kc:
- * out (row stride ldo) = (add ? out : 0) + a . b, writing only the first `columns` columns. */
+ * out (row stride ldo) = (add ? out : 0) + a . b, writing only the first `columns` columns. Where `ahead`
+ * is not NULL, it also asks for kc lines from there into L2, one per k. */
 #define TILE(R)                                                                                               \
     static void tile_##R(int64_t kc, const float* a, const float* b, float* out, int64_t ldo, int add,      \
-                         int columns) {                                                                        \
+                         int columns, const float* ahead) {                                                    \
         __m256 lo[R], hi[R];                                                                                  \
         /* A prefill's output is too big for the caches and is read back once per k chunk: asked for now,   \
          * its lines arrive while the k loop runs instead of stalling the adds and stores after it. */       \
@@ -77,6 +79,8 @@ static void pack_rows(const float* x, int64_t k, int64_t first, int64_t rows, in
         }                                                                                                     \
         _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();             \
         for (int64_t kk = 0; kk < kc; kk++) {                                                                 \
+            if (ahead != NULL)                                                                                \
+                _mm_prefetch((const char*)(ahead + kk * NR), _MM_HINT_T1);                                    \
             __m256 b0 = _mm256_loadu_ps(b + kk * NR), b1 = _mm256_loadu_ps(b + kk * NR + 8);                    \
             _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                             \
                 __m256 ar = _mm256_broadcast_ss(a + kk * MR + r);                                             \
@@ -108,14 +112,14 @@ static void pack_rows(const float* x, int64_t k, int64_t first, int64_t rows, in
 TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 
 static void tile(int rows, int64_t kc, const float* a, const float* b, float* out, int64_t ldo, int add,
-                 int columns) {
+                 int columns, const float* ahead) {
     switch (rows) {
-    case 1: tile_1(kc, a, b, out, ldo, add, columns); break;
-    case 2: tile_2(kc, a, b, out, ldo, add, columns); break;
-    case 3: tile_3(kc, a, b, out, ldo, add, columns); break;
-    case 4: tile_4(kc, a, b, out, ldo, add, columns); break;
-    case 5: tile_5(kc, a, b, out, ldo, add, columns); break;
-    default: tile_6(kc, a, b, out, ldo, add, columns); break;
+    case 1: tile_1(kc, a, b, out, ldo, add, columns, ahead); break;
+    case 2: tile_2(kc, a, b, out, ldo, add, columns, ahead); break;
+    case 3: tile_3(kc, a, b, out, ldo, add, columns, ahead); break;
+    case 4: tile_4(kc, a, b, out, ldo, add, columns, ahead); break;
+    case 5: tile_5(kc, a, b, out, ldo, add, columns, ahead); break;
+    default: tile_6(kc, a, b, out, ldo, add, columns, ahead); break;
     }
 }
 
@@ -174,14 +178,19 @@ static void panel_group(int rows, int64_t kc, const float* a, const float* packe
     }
 }
 
-/* Rows [first, first + rows) of x, packed for k range [k0, k0 + kc) at a, against panels [p0, p1). */
+/* Rows [first, first + rows) of x, packed for k range [k0, k0 + kc) at a, against panels [p0, p1).
+ * With fetch_next, the first 6-row block asks for the weight's next kc lines (the panel's next chunk, or the
+ * next panel's first) while it multiplies: in the small-row order a chunk is used only a few times, and the
+ * first block would otherwise stall on the memory after the one stream the hardware prefetches. */
 static void row_block(const float* a, int64_t first, int64_t rows, int64_t k, int64_t k0, int64_t kc,
-                      const float* packed, int64_t n, int64_t p0, int64_t p1, float* out) {
+                      const float* packed, int64_t n, int64_t p0, int64_t p1, float* out, int fetch_next) {
     for (int64_t p = p0; p < p1; p++) {
         int columns = (int)min64(NR, n - p * NR);
         const float* b = packed + (p * k + k0) * NR;
+        const float* next = fetch_next && (k0 + kc < k || (p + 1) * NR < n) ? b + kc * NR : NULL;
         for (int64_t r = 0; r < rows; r += MR)
-            tile((int)min64(MR, rows - r), kc, a + r * kc, b, out + (first + r) * n + p * NR, n, k0 > 0, columns);
+            tile((int)min64(MR, rows - r), kc, a + r * kc, b, out + (first + r) * n + p * NR, n, k0 > 0, columns,
+                 r == 0 ? next : NULL);
     }
 }
 
@@ -208,11 +217,12 @@ int pagedllm_gemm_f32(const float* x, int64_t m, int64_t k, const float* packed,
                 int64_t p = g * group, q = min64(p + group, panels);
                 for (int64_t c = 0; c < chunks; c++) {
                     int64_t k0 = c * KC, kc = min64(KC, k - k0);
-                    /* A last group short of panels, or with a partial panel, takes the register tile. */
+                    /* A last group short of panels, or with a partial panel, takes the register tile; only
+                     * where it runs alone does it ask for the next chunk (the groups keep streams in flight). */
                     if (group > 1 && q - p == group && q * NR <= n)
                         panel_group((int)m, kc, a + c * blocks * MR * KC, packed, k, k0, n, p, out);
                     else
-                        row_block(a + c * blocks * MR * KC, 0, m, k, k0, kc, packed, n, p, q, out);
+                        row_block(a + c * blocks * MR * KC, 0, m, k, k0, kc, packed, n, p, q, out, group == 1);
                 }
             }
         }
@@ -237,7 +247,7 @@ int pagedllm_gemm_f32(const float* x, int64_t m, int64_t k, const float* packed,
                 for (int64_t first = 0; first < m; first += MC) {
                     int64_t rows = min64(MC, m - first);
                     pack_rows(x, k, first, rows, k0, kc, a);
-                    row_block(a, first, rows, k, k0, kc, packed, n, j0, min64(j0 + NC, p1), out);
+                    row_block(a, first, rows, k, k0, kc, packed, n, j0, min64(j0 + NC, p1), out, 0);
                 }
         }
         free(a);
